@@ -1,0 +1,52 @@
+"""The protocol every checkpoint format implements: one reader, one writer, nothing else.
+
+Lifecycle of a conversion, and who calls what:
+
+1. ``registry.detect(path)`` picks the ``Format`` whose ``detect`` accepts the source.
+2. ``fmt.read(path)`` validates the source's metadata and returns a ``Catalog``: every
+   tensor's global shape, dtype and chunks (each chunk can read any sub-box of itself), and
+   the small objects. No tensor data is read here.
+3. The engine builds a ``Target`` (what the output holds: names, shapes, dtypes, boxes per
+   target rank, objects) and asks ``fmt.writer(...)`` for a ``Writer``.
+4. ``writer.layout(target)`` returns the output files as ``FileLayout``s: literal header
+   bytes and ``Piece``s in file order. Everything a format needs to say about sizes and
+   offsets is computable here, before data moves.
+5. The engine writes every file into a staging location, streaming each Piece's bytes.
+6. ``writer.finish(staging, target, files)`` writes what must come last (DCP ``.metadata``,
+   a safetensors index), then the engine renames staging into place atomically.
+
+A format module knows its byte layout and the catalog, nothing about meshes or budgets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+from reshard.formats.pieces import FileLayout
+from reshard.catalog import Catalog, Target
+
+__all__ = ["Format", "Writer"]
+
+
+class Writer(Protocol):
+    # True when the output is a directory (DCP, sharded safetensors), False for one file.
+    output_is_dir: bool
+
+    def layout(self, target: Target) -> list[FileLayout]: ...
+
+    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None: ...
+
+    def notices(self, target: Target) -> list[str]:
+        """What this output cannot hold (objects dropped...), said to the user once."""
+        ...
+
+
+class Format(Protocol):
+    name: str
+
+    def detect(self, path: Path) -> bool: ...
+
+    def read(self, path: Path) -> Catalog: ...
+
+    def writer(self, dst: Path, **options: Any) -> Writer: ...

@@ -1,0 +1,402 @@
+"""The byte layout of torch.save files: an uncompressed zip holding ``data.pkl`` and one
+record per storage. DCP stores every tensor chunk as such a zip too (one "blob" per chunk).
+
+Reading: the pickle is replayed by reshard's allow-list unpickler, and every tensor becomes a
+``StoredRegion`` pointing at its bytes inside the payload record, so tensors are read lazily,
+in pieces, without torch.load and without mmap. DTensors become ``DTensorRef``.
+
+Writing: ``zip_segments`` lays out an archive around payloads that the engine streams in
+later. CRC fields of streamed payloads are left 0, as torch's own
+``serialization.config.save.compute_crc32 = False`` writes them; torch's reader does not check
+them, and computing them would force every byte through user space.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.formats.pieces import Piece, Segment, segment_size
+from reshard import _torch_compat
+from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.regions import StoredRegion, read_exact
+from reshard.safe_pickle import safe_loads
+
+__all__ = ["read_torch_zip", "zip_segments", "torch_pickle", "DTensorRef", "PieceRef", "Record"]
+
+_ALIGN = 64
+_LEGACY_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
+    "LongStorage": torch.int64, "IntStorage": torch.int32, "ShortStorage": torch.int16,
+    "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "BFloat16Storage": torch.bfloat16, "ComplexDoubleStorage": torch.complex128,
+    "ComplexFloatStorage": torch.complex64,
+}
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only view of bytes [start, start+length) of a file, for zipfile."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self._fd, self._start, self._len, self._pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
+        b[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+@dataclass
+class Record:
+    """Stand-in for a class we allow in a pickle but never instantiate (DTensor metadata):
+    it keeps the constructor arguments and the state, nothing runs."""
+
+    kind: str
+    args: tuple = ()
+    state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _record_class(kind: str) -> type:
+    def __new__(cls: type, *args: Any) -> Record:
+        return Record(kind, args)
+
+    return type(kind, (), {"__new__": __new__})
+
+
+@dataclass
+class DTensorRef:
+    """A DTensor found in a torch.save file: its local shard and what DTensor says of it."""
+
+    local: StoredRegion
+    global_shape: tuple[int, ...]
+    placements: tuple[Record, ...]
+    mesh_shape: tuple[int, ...]
+    coordinate: tuple[int, ...] | None
+    mesh_dim_names: tuple[str, ...] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+_DTENSOR_CLASSES = {
+    ("torch.distributed.tensor", "DTensor"): "DTensor",
+    ("torch.distributed._tensor.api", "DTensor"): "DTensor",
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"): "DTensorSpec",
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"): "TensorMeta",
+    ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"): "ShardOrderEntry",
+    ("torch.distributed.device_mesh", "DeviceMesh"): "DeviceMesh",
+    ("torch.distributed._mesh_layout", "_MeshLayout"): "_MeshLayout",
+    ("torch.distributed._mesh_layout", "_FlatLayout"): "_FlatLayout",
+    ("torch.distributed.tensor.placement_types", "Shard"): "Shard",
+    ("torch.distributed.tensor.placement_types", "Replicate"): "Replicate",
+    ("torch.distributed.tensor.placement_types", "Partial"): "Partial",
+    ("torch.distributed.tensor.placement_types", "_StridedShard"): "_StridedShard",
+}
+
+
+class _TorchZipReader:
+    def __init__(self, path: Path, fd: int, start: int, length: int) -> None:
+        self.path, self.fd, self.start, self.length = path, fd, start, length
+        self.where = f"{path}" if start == 0 else f"{path} (bytes {start}..{start + length})"
+        try:
+            self.zip = zipfile.ZipFile(_FileSlice(fd, start, length))
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            raise CorruptCheckpointError(
+                f"{self.where}: not a torch.save zip archive ({e}); legacy (pre-1.6) files are "
+                "not supported: re-save with a current torch"
+            ) from e
+        names = self.zip.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise CorruptCheckpointError(f"{self.where}: expected one data.pkl record, found {len(pkl)}")
+        self.prefix = pkl[0][: -len("data.pkl")]
+        self.infos = {i.filename: i for i in self.zip.infolist()}
+        order = self.infos.get(self.prefix + "byteorder")
+        if order is not None and self._record_bytes(order).strip() not in (b"little", b""):
+            raise UnsupportedFormatError(f"{self.where}: big-endian torch files are not supported")
+
+    def _data_start(self, info: zipfile.ZipInfo) -> int:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise UnsupportedFormatError(f"{self.where}: record {info.filename} is compressed")
+        head = read_exact(self.fd, 30, self.start + info.header_offset, self.path)
+        if head[:4] != b"PK\x03\x04":
+            raise CorruptCheckpointError(f"{self.where}: bad zip local header for {info.filename}")
+        name_len, extra_len = struct.unpack("<HH", head[26:30])
+        data = info.header_offset + 30 + name_len + extra_len
+        if data + info.file_size > self.length:
+            raise CorruptCheckpointError(
+                f"{self.where}: record {info.filename} runs past the end of the data (truncated?)"
+            )
+        return data
+
+    def _record_bytes(self, info: zipfile.ZipInfo) -> bytes:
+        return bytes(read_exact(self.fd, info.file_size, self.start + self._data_start(info), self.path))
+
+    def storage(self, pid: Any) -> tuple[str, torch.dtype | None, int, int]:
+        """persistent_load: ('storage', type, key, location, numel) → (key, dtype, byte offset, numel)."""
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise CorruptCheckpointError(f"{self.where}: unexpected persistent id {pid!r}")
+        _, stype, key, _location, numel = pid
+        info = self.infos.get(f"{self.prefix}data/{key}")
+        if info is None:
+            raise CorruptCheckpointError(f"{self.where}: storage record data/{key} is missing")
+        dtype = stype  # the allow-list maps storage class names to dtypes (None = untyped bytes)
+        item = 1 if dtype is None else dtype.itemsize
+        if not isinstance(numel, int) or numel < 0 or numel * item > info.file_size:
+            raise CorruptCheckpointError(
+                f"{self.where}: storage data/{key} claims {numel} elements but holds {info.file_size} bytes"
+            )
+        return (str(key), dtype, self.start + self._data_start(info), numel)
+
+    def region(self, storage: tuple, offset: int, size: Any, stride: Any, dtype: torch.dtype) -> StoredRegion:
+        _key, sdtype, base, numel = storage
+        item = dtype.itemsize
+        avail = numel * (1 if sdtype is None else sdtype.itemsize)
+        size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+        if any(s < 0 for s in size) or len(size) != len(stride) or offset < 0:
+            raise CorruptCheckpointError(f"{self.where}: invalid tensor view {size}/{stride}")
+        if all(s > 0 for s in size):
+            last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+            if (last + 1) * item > avail:
+                raise CorruptCheckpointError(
+                    f"{self.where}: tensor of shape {size} reads past its storage ({avail} bytes)"
+                )
+        return StoredRegion(self.path, base + offset * item, dtype, size, stride)
+
+    def globals(self) -> dict[tuple[str, str], Any]:
+        def v2(storage, offset, size, stride, *_rest):
+            return self.region(storage, offset, size, stride, storage[1] or torch.uint8)
+
+        def v3(storage, offset, size, stride, _rg, _hooks, dtype, *_rest):
+            return self.region(storage, offset, size, stride, dtype)
+
+        def parameter(data, *_rest):
+            return data
+
+        def wrapper_subclass(cls, dtype, size, *_rest):
+            return Record("wrapper", (dtype, tuple(size)))
+
+        def from_type(func, new_type, args, state):
+            base = func(*args)
+            if getattr(new_type, "__name__", "") == "DTensor" and isinstance(state, dict):
+                return _dtensor(self.where, base, state)
+            return base
+
+        table: dict[tuple[str, str], Any] = {
+            ("torch._utils", "_rebuild_tensor_v2"): v2,
+            ("torch._utils", "_rebuild_tensor_v3"): v3,
+            ("torch._utils", "_rebuild_parameter"): parameter,
+            ("torch._utils", "_rebuild_parameter_with_state"): parameter,
+            ("torch._utils", "_rebuild_wrapper_subclass"): wrapper_subclass,
+            ("torch._tensor", "_rebuild_from_type_v2"): from_type,
+            ("torch.storage", "UntypedStorage"): None,
+            ("torch", "Size"): torch.Size,
+            ("torch", "device"): torch.device,
+            ("torch.serialization", "_get_layout"): _torch_compat.DCP_METADATA_GLOBALS[
+                ("torch.serialization", "_get_layout")
+            ],
+        }
+        table.update({("torch", n): dt for n, dt in _torch_compat.TORCH_DTYPES.items()})
+        table.update({("torch", n): dt for n, dt in _LEGACY_STORAGE_DTYPES.items()})
+        table.update({k: _record_class(v) for k, v in _DTENSOR_CLASSES.items()})
+        return table
+
+    def load(self) -> Any:
+        data = self._record_bytes(self.infos[self.prefix + "data.pkl"])
+        return safe_loads(data, self.globals(), origin=self.where, persistent_load=self.storage)
+
+
+def _dtensor(where: str, wrapper: Any, state: dict) -> DTensorRef:
+    local, spec = state.get("_local_tensor"), state.get("_spec")
+    if not isinstance(local, StoredRegion) or not isinstance(spec, Record):
+        raise CorruptCheckpointError(f"{where}: DTensor without a local tensor or spec")
+    s = spec.state or {}
+    meta = s.get("tensor_meta")
+    global_shape = tuple(meta.args[0]) if isinstance(meta, Record) and meta.args else None
+    if global_shape is None and isinstance(wrapper, Record):
+        global_shape = wrapper.args[1]
+    mesh = s.get("mesh")
+    mstate = mesh.state if isinstance(mesh, Record) and isinstance(mesh.state, dict) else {}
+    layout = mstate.get("_layout")
+    mesh_shape: tuple[int, ...] = ()
+    if isinstance(layout, Record) and isinstance(layout.state, dict):
+        axes = layout.state.get("axes")
+        flat = axes[0] if isinstance(axes, tuple) and axes else axes
+        if isinstance(flat, Record) and isinstance(flat.state, dict):
+            mesh_shape = tuple(flat.state.get("shape", ()))
+    if not mesh_shape and isinstance(mstate.get("mesh"), StoredRegion):
+        mesh_shape = mstate["mesh"].shape
+    coord = mstate.get("_coordinate_on_dim")
+    return DTensorRef(
+        local=local,
+        global_shape=tuple(int(x) for x in global_shape),
+        placements=tuple(s.get("placements") or ()),
+        mesh_shape=tuple(int(x) for x in mesh_shape),
+        coordinate=tuple(coord) if coord is not None else None,
+        mesh_dim_names=mstate.get("_mesh_dim_names"),
+    )
+
+
+def read_torch_zip(path: Path, start: int = 0, length: int | None = None) -> Any:
+    """The object a torch.save archive holds (whole file, or a blob inside a DCP file), with
+    tensors as ``StoredRegion`` and DTensors as ``DTensorRef``. Nothing outside the
+    allow-list is called."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        length = size - start if length is None else length
+        if start + length > size:
+            raise CorruptCheckpointError(
+                f"{path}: expected {length} bytes at offset {start}, file has {size} (truncated?)"
+            )
+        return _TorchZipReader(path, fd, start, length).load()
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """Marks a tensor in an object tree handed to ``torch_pickle``: storage ``key`` holds it."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class _TorchPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageKey):
+            return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.nbytes)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, PieceRef):
+            n = 1
+            for s in obj.shape:
+                n *= s
+            stride, acc = [], 1
+            for s in reversed(obj.shape):
+                stride.append(acc)
+                acc *= s
+            args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, torch.Size(obj.shape),
+                    tuple(reversed(stride)), False, OrderedDict(), obj.dtype)
+            return (_torch_compat.rebuild_tensor_v3, args)
+        return NotImplemented
+
+
+@dataclass(frozen=True)
+class _StorageKey:
+    key: str
+    nbytes: int
+
+
+def torch_pickle(obj: Any) -> bytes:
+    """Pickle ``obj`` (containers, plain values, PieceRef) as torch.save's data.pkl would."""
+    buf = io.BytesIO()
+    _TorchPickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+_DOS_DATE = (0, 33)  # 1980-01-01 00:00, as zip wants a date; torch writes the same zeros
+
+
+def zip_segments(records: list[tuple[str, Segment]], archive: str = "archive") -> list[Segment]:
+    """Lay out a stored (uncompressed) zip of ``records`` as segments, each payload starting
+    on a 64-byte boundary from the archive start (what torch.load(mmap=True) expects).
+    Zip64 fields are used where sizes or offsets pass 4 GiB."""
+    out: list[Segment] = []
+    central: list[bytes] = []
+    at = 0
+    for name, payload in records:
+        fname = f"{archive}/{name}".encode()
+        size = segment_size(payload)
+        crc = zlib.crc32(payload) if isinstance(payload, bytes) else 0
+        big = size >= 0xFFFFFFFF
+        zip64 = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
+        base = at + 30 + len(fname) + len(zip64)
+        pad = (-(base + 4)) % _ALIGN  # 4 = the padding field's own header
+        extra = zip64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" id, as torch's writer
+        s32 = 0xFFFFFFFF if big else size
+        out.append(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if big else 20, 0, 0, *_DOS_DATE,
+                               crc, s32, s32, len(fname), len(extra)) + fname + extra)
+        out.append(payload)
+        far = at >= 0xFFFFFFFF
+        cextra_vals = ([size, size] if big else []) + ([at] if far else [])
+        cextra = struct.pack(f"<HH{len(cextra_vals)}Q", 1, 8 * len(cextra_vals), *cextra_vals) if cextra_vals else b""
+        central.append(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45 if (big or far) else 20, 0, 0,
+                                   *_DOS_DATE, crc, s32, s32, len(fname), len(cextra), 0, 0, 0, 0,
+                                   0xFFFFFFFF if far else at) + fname + cextra)
+        at += segment_size(out[-2]) + size
+    cd = b"".join(central)
+    n = len(records)
+    tail = b""
+    if at >= 0xFFFFFFFF or n >= 0xFFFF:
+        tail += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(cd), at)
+        tail += struct.pack("<4sIQI", b"PK\x06\x07", 0, at + len(cd), 1)
+    tail += struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                        min(len(cd), 0xFFFFFFFF), min(at, 0xFFFFFFFF), 0)
+    out.append(cd + tail)
+    return out
+
+
+def torch_save_segments(tree: Any, pieces: dict[str, Piece], archive: str = "archive") -> list[Segment]:
+    """A whole torch.save archive: ``tree`` holds PieceRef(key) where ``pieces[key]`` goes."""
+    records: list[tuple[str, Segment]] = [
+        ("data.pkl", torch_pickle(tree)),
+        (".format_version", b"1"),
+        (".storage_alignment", b"64"),
+        ("byteorder", b"little"),
+    ]
+    records += [(f"data/{key}", piece) for key, piece in pieces.items()]
+    records += [("version", b"3\n")]
+    return zip_segments(records, archive)
+
+
+def load_object_blob(path: Path, start: int, length: int, read: Callable[[StoredRegion], torch.Tensor]) -> Any:
+    """A small pickled object (a DCP byte item); tensors inside it are read eagerly."""
+    obj = read_torch_zip(path, start, length)
+    return _materialize(obj, read)
+
+
+def _materialize(obj: Any, read: Callable[[StoredRegion], torch.Tensor]) -> Any:
+    if isinstance(obj, StoredRegion):
+        return read(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _materialize(v, read)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_materialize(v, read) for v in obj)
+    return obj

@@ -1,0 +1,130 @@
+"""Boxes: the rectangular pieces of a tensor that chunks store and targets ask for.
+
+A box is an offset and a size per dimension, the same shape of data as DCP's
+``ChunkStorageMetadata``. Everything a plan does is box arithmetic: intersect a target box with
+the source chunks, cut the result into slabs that fit the memory budget, and decide whether a
+box is one contiguous byte range (so the kernel can copy it without us touching the bytes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Box", "full_box", "c_order_slabs", "contiguous_range", "tiles_exactly"]
+
+
+@dataclass(frozen=True)
+class Box:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.offsets) != len(self.sizes):
+            raise ValueError(f"box offsets {self.offsets} and sizes {self.sizes} differ in rank")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    def intersect(self, other: Box) -> Box | None:
+        """The common part of two boxes, or None when they share no element."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def shifted(self, origin: Sequence[int]) -> Box:
+        """This box in the coordinates of a box that starts at ``origin``."""
+        return Box(tuple(o - p for o, p in zip(self.offsets, origin)), self.sizes)
+
+    def contains(self, other: Box) -> bool:
+        return all(
+            a <= b and b + s <= a + t
+            for a, t, b, s in zip(self.offsets, self.sizes, other.offsets, other.sizes)
+        )
+
+    def as_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return Box((0,) * len(shape), tuple(shape))
+
+
+def c_order_slabs(box: Box, itemsize: int, max_bytes: int) -> Iterator[Box]:
+    """Cut ``box`` into sub-boxes whose C-order bytes, concatenated, are the box's C-order bytes.
+
+    Each slab fixes the leading indices, takes a run along one dimension and the full extent
+    of every later dimension, so it is one contiguous run of the box's own byte order and
+    can be appended to an output file as it is produced. Slabs hold at most ``max_bytes``
+    unless a single element is larger.
+    """
+    if box.numel == 0:
+        return
+    if box.numel * itemsize <= max_bytes or box.ndim == 0:
+        yield box
+        return
+    inner = math.prod(box.sizes[1:]) * itemsize
+    if inner <= max_bytes:
+        rows = max(1, max_bytes // inner)
+        for start in range(0, box.sizes[0], rows):
+            n = min(rows, box.sizes[0] - start)
+            yield Box((box.offsets[0] + start,) + box.offsets[1:], (n,) + box.sizes[1:])
+        return
+    for i in range(box.sizes[0]):
+        row = Box(box.offsets[1:], box.sizes[1:])
+        for sub in c_order_slabs(row, itemsize, max_bytes):
+            yield Box((box.offsets[0] + i,) + sub.offsets, (1,) + sub.sizes)
+
+
+def contiguous_range(box: Box, shape: Sequence[int]) -> tuple[int, int] | None:
+    """(first element, element count) when ``box`` is one contiguous run of a C-order array
+    of ``shape``; None when reading it needs several runs."""
+    if box.numel == 0:
+        return (0, 0)
+    # Past the first dimension whose extent is partial, every dimension must be a single index.
+    ndim = len(shape)
+    k = 0
+    while k < ndim and box.sizes[k] == 1:
+        k += 1
+    # dims k+1.. must be full
+    for d in range(k + 1, ndim):
+        if box.offsets[d] != 0 or box.sizes[d] != shape[d]:
+            return None
+    start = 0
+    for d in range(ndim):
+        start = start * shape[d] + box.offsets[d]
+    return (start, box.numel)
+
+
+def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
+    """None when ``boxes`` cover ``shape`` exactly once; otherwise what is wrong, in words."""
+    whole = full_box(shape)
+    for b in boxes:
+        if b.ndim != len(shape):
+            return f"chunk {b.offsets}+{b.sizes} has rank {b.ndim}, tensor has rank {len(shape)}"
+        if any(o < 0 or s < 0 for o, s in zip(b.offsets, b.sizes)) or not whole.contains(b):
+            return f"chunk at {b.offsets} of size {b.sizes} lies outside shape {tuple(shape)}"
+    live = [b for b in boxes if b.numel > 0]
+    total = sum(b.numel for b in live)
+    ordered = sorted(live, key=lambda b: b.offsets)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if b.offsets[0] >= a.ends[0]:
+                break
+            if a.intersect(b) is not None:
+                return f"chunks at {a.offsets} and {b.offsets} overlap"
+    if total != whole.numel:
+        return f"chunks cover {total} of {whole.numel} elements (holes)"
+    return None

@@ -1,0 +1,119 @@
+"""Reading tensors straight from bytes stored in a file, without mmap and without a copy
+of more than the requested box.
+
+Every format reshard reads keeps a chunk as plain little-endian elements at a known offset of
+some file (safetensors data, the payload record of a torch.save zip, a DCP blob). Reading with
+``os.preadv`` into a buffer we own keeps resident memory to what we asked for: mmap'd pages
+would count towards RSS and stay until the kernel evicts them.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from reshard.boxes import Box, contiguous_range, full_box
+from reshard.errors import CorruptCheckpointError
+
+__all__ = ["StoredRegion", "read_exact", "c_strides"]
+
+
+def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def read_exact(fd: int, nbytes: int, offset: int, path: Path | str) -> bytearray:
+    """Read exactly ``nbytes`` at ``offset``; a short read means the file is truncated."""
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CorruptCheckpointError(
+                f"{path}: file ends at byte {offset + done}, expected data up to byte "
+                f"{offset + nbytes} (truncated?)"
+            )
+        done += n
+    return buf
+
+
+@dataclass(frozen=True)
+class StoredRegion:
+    """``shape`` elements of ``dtype`` stored C-contiguously from byte ``offset`` of ``path``
+    (or with element ``strides`` from there, as torch.save keeps non-contiguous views)."""
+
+    path: Path
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.strides is None or self.strides == c_strides(self.shape) or math.prod(self.shape) <= 1
+
+    def byte_range(self, box: Box) -> tuple[int, int] | None:
+        """(file offset, length) of ``box`` when it is one contiguous run in the file."""
+        if not self.is_contiguous:
+            return None
+        run = contiguous_range(box, self.shape)
+        if run is None:
+            return None
+        start, count = run
+        item = self.dtype.itemsize
+        return (self.offset + start * item, count * item)
+
+    def read(self, box: Box) -> torch.Tensor:
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            return self.read_from(fd, box)
+        finally:
+            os.close(fd)
+
+    def read_from(self, fd: int, box: Box) -> torch.Tensor:
+        """Read ``box`` through an already open ``fd`` of ``path`` (the engine keeps them open)."""
+        item = self.dtype.itemsize
+        if box.numel == 0:
+            return torch.empty(box.sizes, dtype=self.dtype)
+        direct = self.byte_range(box)
+        if direct is not None:
+            return self._tensor(read_exact(fd, direct[1], direct[0], self.path), box.sizes)
+        strides = self.strides or c_strides(self.shape)
+        first = sum(o * s for o, s in zip(box.offsets, strides))
+        last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides))
+        span = (last - first + 1) * item
+        if span <= 2 * box.numel * item:
+            # A strided view of the span; the caller copies it out, so no second copy here.
+            raw = self._tensor(read_exact(fd, span, self.offset + first * item, self.path), (last - first + 1,))
+            return raw.as_strided(box.sizes, strides)
+        # A sparse selection of a large region: one index at a time along the first dimension
+        # that has more than one (a non-contiguous box always has one).
+        d = next(i for i, n in enumerate(box.sizes) if n > 1)
+        out = torch.empty(box.sizes, dtype=self.dtype)
+        for i in range(box.sizes[d]):
+            offs = box.offsets[:d] + (box.offsets[d] + i,) + box.offsets[d + 1 :]
+            sub = Box(offs, box.sizes[:d] + (1,) + box.sizes[d + 1 :])
+            out.narrow(d, i, 1).copy_(self.read_from(fd, sub))
+        return out
+
+    def _tensor(self, buf: bytearray, sizes: tuple[int, ...]) -> torch.Tensor:
+        if len(buf) == 0:
+            return torch.empty(sizes, dtype=self.dtype)
+        return torch.frombuffer(buf, dtype=self.dtype).reshape(sizes)
+
+    def read_all(self) -> torch.Tensor:
+        return self.read(full_box(self.shape))
+

@@ -1,0 +1,36 @@
+"""The built-in example: make a small sharded checkpoint with torch itself, then reshard it.
+
+No downloads. Trains a tiny model with FSDP2 on 2 gloo ranks for two AdamW steps, saves it
+with torch.distributed.checkpoint, then runs the main job: inspect, convert to safetensors
+and to a torch file, and verify both against the source.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run(*args: str) -> None:
+    print("$", " ".join(args), flush=True)
+    subprocess.run(args, check=True)
+
+
+def main() -> None:
+    from reshard.example import save_fsdp2_dcp
+
+    work = Path(tempfile.mkdtemp(prefix="reshard-example-"))
+    ckpt = work / "ckpt"
+    print(f"making an FSDP2 + AdamW checkpoint on 2 gloo ranks in {ckpt}", flush=True)
+    save_fsdp2_dcp(ckpt, world_size=2)
+    run("reshard", "inspect", str(ckpt))
+    run("reshard", "convert", str(ckpt), str(work / "model.safetensors"), "--only", "model")
+    run("reshard", "convert", str(ckpt), str(work / "full.pt"), "--max-memory", "64KiB")
+    run("reshard", "verify", str(ckpt), str(work / "full.pt"))
+    print(f"done: outputs in {work}")
+
+
+if __name__ == "__main__":
+    main()

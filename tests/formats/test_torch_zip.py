@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import os
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.boxes import full_box
+from reshard.formats.pieces import Piece
+from reshard.formats.torch_zip import PieceRef, read_torch_zip, torch_save_segments
+from reshard.regions import StoredRegion
+
+
+def _write(path: Path, segments, tensors: dict[str, torch.Tensor]) -> None:
+    with open(path, "wb") as f:
+        for seg in segments:
+            if isinstance(seg, bytes):
+                f.write(seg)
+            else:
+                f.write(tensors[seg.name][seg.box.as_slices()].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def test_reads_what_torch_saves(tmp_path: Path) -> None:
+    value = {
+        "w": torch.randn(3, 4),
+        "bf": torch.randn(5).to(torch.bfloat16),
+        "f8": torch.randn(4).to(torch.float8_e4m3fn),
+        "view": torch.arange(12.0).reshape(3, 4).t(),
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "meta": {"step": 7, "betas": (0.9, 0.95), "names": ["a", "b"]},
+    }
+    torch.save(value, tmp_path / "x.pt")
+    got = read_torch_zip(tmp_path / "x.pt")
+    for k in ("w", "bf", "f8", "view", "param"):
+        assert isinstance(got[k], StoredRegion)
+        assert torch.equal(got[k].read(full_box(got[k].shape)).contiguous().view(torch.uint8),
+                           value[k].detach().contiguous().view(torch.uint8)), k
+    assert got["meta"] == value["meta"]
+
+
+def test_written_archive_loads_with_torch_and_mmap(tmp_path: Path) -> None:
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(4).to(torch.float8_e5m2)}
+    pieces = {str(i): Piece(n, full_box(t.shape), t.dtype) for i, (n, t) in enumerate(tensors.items())}
+    tree = {"model": {n: PieceRef(k, p.dtype, p.box.sizes) for k, p in pieces.items() for n in [p.name]}, "step": 3}
+    _write(tmp_path / "y.pt", torch_save_segments(tree, pieces), tensors)
+    for mmap in (False, True):
+        out = torch.load(tmp_path / "y.pt", weights_only=True, mmap=mmap)
+        assert out["step"] == 3
+        for n, t in tensors.items():
+            assert torch.equal(out["model"][n].view(torch.uint8), t.view(torch.uint8))
+    with zipfile.ZipFile(tmp_path / "y.pt") as z:  # a well-formed zip for other tools too
+        offsets = [i.header_offset for i in z.infolist()]
+        assert offsets == sorted(offsets)
+
+
+def test_zip64_record_past_4gib(tmp_path: Path) -> None:
+    """A >4 GiB tensor record needs zip64 fields; written sparse, so the test costs no disk."""
+    n = (1 << 32) + 64
+    piece = Piece("big", full_box((n,)), torch.uint8)
+    segments = torch_save_segments({"big": PieceRef("0", torch.uint8, (n,))}, {"0": piece})
+    path = tmp_path / "big.pt"
+    with open(path, "wb") as f:
+        at = 0
+        for seg in segments:
+            if isinstance(seg, bytes):
+                os.pwrite(f.fileno(), seg, at)
+                at += len(seg)
+            else:
+                os.pwrite(f.fileno(), b"\x07", at + n - 1)  # last byte; the rest is a hole
+                at += n
+    try:
+        out = torch.load(path, weights_only=True, mmap=True)
+    except RuntimeError as e:  # pragma: no cover - filesystems without sparse files / mmap
+        pytest.skip(f"cannot map a sparse 4 GiB file here: {e}")
+    assert out["big"].shape == (n,) and int(out["big"][-1]) == 7 and int(out["big"][0]) == 0
+    assert read_torch_zip(path)["big"].shape == (n,)
