@@ -1,0 +1,103 @@
+"""The command line through its real entry point (a typer upgrade that breaks it shows here)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def reshard(*args: str | Path) -> subprocess.CompletedProcess:
+    """Run the CLI in this process (``main`` is what the console script calls): torch is
+    already imported, so each call costs milliseconds instead of seconds."""
+    import contextlib
+    import io
+
+    from reshard.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def reshard_process(*args: str | Path) -> subprocess.CompletedProcess:
+    exe = shutil.which("reshard")
+    cmd = [exe] if exe else [sys.executable, "-m", "reshard"]
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_inspect_json_lists_every_tensor_with_global_shape(fsdp2_dcp, fsdp2_reference) -> None:
+    proc = reshard("inspect", fsdp2_dcp[0], "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["format"] == "dcp"
+    shapes = {t["name"]: t["shape"] for t in doc["tensors"]}
+    assert shapes == {n: list(t.shape) for n, t in fsdp2_reference.items()}
+    assert {t["dtype"] for t in doc["tensors"]} == {"float32"}
+    assert doc["total_bytes"] == sum(t.numel() * 4 for t in fsdp2_reference.values())
+    table = reshard("inspect", fsdp2_dcp[0])
+    assert table.returncode == 0 and "model.embed.weight" in table.stdout and "11x6" in table.stdout
+
+
+def test_convert_then_verify_exit_codes(fsdp2_dcp, tmp_path: Path) -> None:
+    out = tmp_path / "copy"
+    proc = reshard("convert", fsdp2_dcp[0], out, "--quiet")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert reshard("verify", fsdp2_dcp[0], out).returncode == 0
+    again = reshard("convert", fsdp2_dcp[0], out)
+    assert_one_line_error(again, str(out), "--overwrite")
+    # Flip one element of the copy: verify must say which tensor differs and exit 1.
+    from reshard.formats.dcp import DCPFormat
+
+    region = DCPFormat().read(out).tensors["model.proj.weight"].chunks[0].data
+    with open(region.path, "r+b") as f:
+        f.seek(region.offset)
+        f.write(torch.tensor([123.0]).numpy().tobytes())
+    diff = reshard("verify", fsdp2_dcp[0], out, "--json")
+    assert diff.returncode == 1
+    report = json.loads(diff.stdout)
+    assert [d["name"] for d in report["differences"]] == ["model.proj.weight"]
+    assert reshard("verify", fsdp2_dcp[0], out, "--atol", "1000").returncode == 0
+
+
+def test_bad_input_is_one_line_exit_2(fsdp2_dcp, tmp_path: Path) -> None:
+    assert_one_line_error(reshard("inspect", tmp_path / "missing"), "missing", "no such file")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(fsdp2_dcp[0], corrupt)
+    (corrupt / ".metadata").write_bytes(b"\x80\x04garbage")
+    assert_one_line_error(reshard("inspect", corrupt), ".metadata")
+    assert_one_line_error(reshard("convert", corrupt, tmp_path / "o.pt"), ".metadata")
+    assert not (tmp_path / "o.pt").exists()
+    assert_one_line_error(reshard("convert", fsdp2_dcp[0], tmp_path / "x", "--max-memory", "lots"), "lots")
+    assert_one_line_error(reshard("convert", fsdp2_dcp[0], tmp_path / "x", "--dtype", "float7"), "float7")
+    assert_one_line_error(reshard("convert", fsdp2_dcp[0], tmp_path / "x", "--bogus"), "--bogus")
+    debug = reshard("inspect", corrupt, "--debug")
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt"]
+
+
+@pytest.mark.parametrize("args", [["convert", "--help"], ["inspect", "--help"], ["verify", "--help"]])
+def test_help_reads(args: list[str]) -> None:
+    proc = reshard(*args)
+    assert proc.returncode == 0 and "Usage" in proc.stdout
+
+
+def test_installed_entry_point(tmp_path: Path) -> None:
+    """The console script itself: help works, and an error is one line with exit 2."""
+    assert "convert" in reshard_process("--help").stdout
+    assert_one_line_error(reshard_process("inspect", tmp_path / "nope"), "nope")
