@@ -16,15 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 from reshard import _torch_compat
 from reshard.boxes import Box
@@ -130,6 +121,18 @@ class DCPWriter:
         return files
 
     def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+        # torch's own classes, so that torch's unpickler reads our .metadata as its own.
+        from torch.distributed.checkpoint.metadata import (
+            BytesStorageMetadata,
+            ChunkStorageMetadata,
+            Metadata,
+            MetadataIndex,
+            StorageMeta,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        StorageInfo = _torch_compat.dcp_storage_info_class()
         sdm: dict[str, Any] = {}
         storage: dict[MetadataIndex, Any] = {}
         for t in target.tensors.values():
@@ -137,11 +140,11 @@ class DCPWriter:
             sdm[t.name] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
             for i, b in enumerate(t.boxes):
                 rel, off, length = self._records[(t.name, b.offsets)]
-                storage[MetadataIndex(t.name, b.offsets, i)] = _torch_compat.DCPStorageInfo(rel, off, length)
+                storage[MetadataIndex(t.name, b.offsets, i)] = StorageInfo(rel, off, length)
         for name in target.objects:
             sdm[name] = BytesStorageMetadata()
             rel, off, length = self._records[(name, ())]
-            storage[MetadataIndex(name)] = _torch_compat.DCPStorageInfo(rel, off, length)
+            storage[MetadataIndex(name)] = StorageInfo(rel, off, length)
         planner_data = {name: target.nested_path(name) for name in sdm}
         meta = Metadata(sdm, planner_data=planner_data, storage_data=storage,
                         storage_meta=StorageMeta(), version="1.0.0")
