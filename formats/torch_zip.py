@@ -13,6 +13,7 @@ them, and computing them would force every byte through user space.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -125,6 +126,33 @@ _DTENSOR_CLASSES = {
 }
 
 
+def _parameter(data: Any, *_rest: Any) -> Any:
+    return data
+
+
+def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *_rest: Any) -> Record:
+    return Record("wrapper", (dtype, tuple(size)))
+
+
+@functools.cache
+def _static_globals() -> dict[tuple[str, str], Any]:
+    """The part of the allow-list that does not depend on the file being read (built once:
+    a DCP checkpoint has a blob per chunk, thousands of them)."""
+    table: dict[tuple[str, str], Any] = {
+        ("torch._utils", "_rebuild_parameter"): _parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
+        ("torch._utils", "_rebuild_wrapper_subclass"): _wrapper_subclass,
+        ("torch.storage", "UntypedStorage"): None,
+        ("torch", "Size"): torch.Size,
+        ("torch", "device"): torch.device,
+        ("torch.serialization", "_get_layout"): _torch_compat.get_layout,
+    }
+    table.update({("torch", n): dt for n, dt in _torch_compat.TORCH_DTYPES.items()})
+    table.update({("torch", n): dt for n, dt in _LEGACY_STORAGE_DTYPES.items()})
+    table.update({k: _record_class(v) for k, v in _DTENSOR_CLASSES.items()})
+    return table
+
+
 class _TorchZipReader:
     def __init__(self, path: Path, fd: int, start: int, length: int) -> None:
         self.path, self.fd, self.start, self.length = path, fd, start, length
@@ -201,36 +229,22 @@ class _TorchZipReader:
         def v3(storage, offset, size, stride, _rg, _hooks, dtype, *_rest):
             return self.region(storage, offset, size, stride, dtype)
 
-        def parameter(data, *_rest):
-            return data
-
-        def wrapper_subclass(cls, dtype, size, *_rest):
-            return Record("wrapper", (dtype, tuple(size)))
-
         def from_type(func, new_type, args, state):
             base = func(*args)
+            # torch pickles an object's state as (__dict__ state, __slots__ state) when the
+            # class has slots, as DTensor does; merge both as torch's _set_obj_state does.
+            if isinstance(state, tuple) and len(state) == 2:
+                state = {**(state[0] or {}), **(state[1] or {})}
             if getattr(new_type, "__name__", "") == "DTensor" and isinstance(state, dict):
                 return _dtensor(self.where, base, state)
             return base
 
-        table: dict[tuple[str, str], Any] = {
+        return {
+            **_static_globals(),
             ("torch._utils", "_rebuild_tensor_v2"): v2,
             ("torch._utils", "_rebuild_tensor_v3"): v3,
-            ("torch._utils", "_rebuild_parameter"): parameter,
-            ("torch._utils", "_rebuild_parameter_with_state"): parameter,
-            ("torch._utils", "_rebuild_wrapper_subclass"): wrapper_subclass,
             ("torch._tensor", "_rebuild_from_type_v2"): from_type,
-            ("torch.storage", "UntypedStorage"): None,
-            ("torch", "Size"): torch.Size,
-            ("torch", "device"): torch.device,
-            ("torch.serialization", "_get_layout"): _torch_compat.DCP_METADATA_GLOBALS[
-                ("torch.serialization", "_get_layout")
-            ],
         }
-        table.update({("torch", n): dt for n, dt in _torch_compat.TORCH_DTYPES.items()})
-        table.update({("torch", n): dt for n, dt in _LEGACY_STORAGE_DTYPES.items()})
-        table.update({k: _record_class(v) for k, v in _DTENSOR_CLASSES.items()})
-        return table
 
     def load(self) -> Any:
         data = self._record_bytes(self.infos[self.prefix + "data.pkl"])
@@ -251,13 +265,15 @@ def _dtensor(where: str, wrapper: Any, state: dict) -> DTensorRef:
     layout = mstate.get("_layout")
     mesh_shape: tuple[int, ...] = ()
     if isinstance(layout, Record) and isinstance(layout.state, dict):
+        # One _FlatLayout per mesh dimension; a flattened dimension's shape is itself a tuple.
         axes = layout.state.get("axes")
-        flat = axes[0] if isinstance(axes, tuple) and axes else axes
-        if isinstance(flat, Record) and isinstance(flat.state, dict):
-            mesh_shape = tuple(flat.state.get("shape", ()))
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        if axes and all(isinstance(a, Record) and isinstance(a.state, dict) for a in axes):
+            mesh_shape = tuple(_numel(a.state.get("shape", ())) for a in axes)
     if not mesh_shape and isinstance(mstate.get("mesh"), StoredRegion):
         mesh_shape = mstate["mesh"].shape
     coord = mstate.get("_coordinate_on_dim")
+    order = s.get("shard_order")
     return DTensorRef(
         local=local,
         global_shape=tuple(int(x) for x in global_shape),
@@ -265,7 +281,18 @@ def _dtensor(where: str, wrapper: Any, state: dict) -> DTensorRef:
         mesh_shape=tuple(int(x) for x in mesh_shape),
         coordinate=tuple(coord) if coord is not None else None,
         mesh_dim_names=mstate.get("_mesh_dim_names"),
+        extra={"shard_order": order} if order is not None else {},
     )
+
+
+def _numel(shape: Any) -> int:
+    """Elements of a (possibly nested) int tuple, as DeviceMesh layouts store shapes."""
+    if isinstance(shape, int):
+        return shape
+    n = 1
+    for s in shape:
+        n *= _numel(s)
+    return n
 
 
 def read_torch_zip(path: Path, start: int = 0, length: int | None = None) -> Any:

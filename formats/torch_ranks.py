@@ -1,0 +1,242 @@
+"""A folder of per-rank ``torch.save`` files: what a job gets from saving an FSDP2 (or any
+DTensor) ``model.state_dict()`` on every rank, as ``rank0.pt``, ``model_rank_1.bin``,
+``model_world_size_4_rank_3.pt``...
+
+Each file holds that rank's local shards as DTensors, which carry the global shape, the
+mesh shape, the rank's mesh coordinate and the placements. Where each shard sits in the
+global tensor follows from DTensor's sharding rules, so the folder becomes a catalog with one
+chunk per distinct shard: replicated copies are stored once, empty shards not at all, and the
+chunks must tile every tensor exactly (a missing or foreign rank file is caught here, not
+when the bytes are already half written).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from reshard.boxes import Box, full_box, tiles_exactly
+from reshard.catalog import Catalog, Chunk, TensorEntry
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from reshard.formats.torch_save import CONTAINERS_ATTR, TORCH_SUFFIXES, FlatTree, flatten_tree
+from reshard.formats.torch_zip import DTensorRef, Record, read_torch_zip
+from reshard.regions import StoredRegion
+
+__all__ = ["TorchRanksFormat", "rank_files", "Placement", "dtensor_shard_box"]
+
+_RANK = re.compile(r"(?<![a-z])rank[_-]?(\d+)(?!\d)", re.IGNORECASE)
+
+# ("Shard", dim) or ("Replicate", None): the placements whose shards we can place.
+Placement = tuple[str, int | None]
+
+
+def rank_files(folder: Path) -> dict[str, dict[int, Path]]:
+    """Torch files whose names carry a rank number, grouped by the name around the number
+    (``model_rank{}.pt``); a name that repeats a rank (``rank1``, ``rank01``) keeps the first."""
+    groups: dict[str, dict[int, Path]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.suffix.lower() not in TORCH_SUFFIXES or not p.is_file():
+            continue
+        found = list(_RANK.finditer(p.name))
+        if found:
+            m = found[-1]
+            groups.setdefault(p.name[: m.start(1)] + "{}" + p.name[m.end(1) :], {}).setdefault(int(m.group(1)), p)
+    return groups
+
+
+def dtensor_shard_box(
+    global_shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+) -> Box:
+    """Where the shard of the rank at ``coordinate`` sits, by DTensor's rules: mesh dims in
+    order, each ``Shard(d)`` cutting the current extent of ``d`` as ``torch.chunk`` does
+    (chunks of ceil(n/k), so trailing ranks may get less or nothing)."""
+    offsets, sizes = [0] * len(global_shape), list(global_shape)
+    for mesh_dim, (kind, dim) in enumerate(placements):
+        if kind != "Shard" or dim is None:
+            continue
+        n, k = sizes[dim], mesh_shape[mesh_dim]
+        step = -(-n // k)
+        start = min(coordinate[mesh_dim] * step, n)
+        offsets[dim] += start
+        sizes[dim] = min(step, n - start)
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def _placements(ref: DTensorRef, where: str) -> tuple[Placement, ...]:
+    out: list[Placement] = []
+    for p in ref.placements:
+        kind = p.kind if isinstance(p, Record) else type(p).__name__
+        if kind == "Replicate":
+            out.append(("Replicate", None))
+        elif kind == "Shard":
+            state = p.state if isinstance(p, Record) and isinstance(p.state, dict) else {}
+            dim = state.get("dim", p.args[0] if isinstance(p, Record) and p.args else None)
+            if not isinstance(dim, int) or not -len(ref.global_shape) <= dim < len(ref.global_shape):
+                raise CorruptCheckpointError(f"{where}: Shard placement with dim {dim!r} for shape {ref.global_shape}")
+            out.append(("Shard", dim % len(ref.global_shape)))
+        elif kind == "_StridedShard":
+            raise UnsupportedFormatError(
+                f"{where}: is sharded with _StridedShard (FSDP2 over tensor parallel on the same dim); "
+                "reshard cannot place such shards from per-rank files: save the model with dcp.save instead"
+            )
+        elif kind == "Partial":
+            raise UnsupportedFormatError(
+                f"{where}: holds partial sums (Partial placement) that must be reduced first; "
+                "redistribute it to Replicate or Shard before saving"
+            )
+        else:
+            raise UnsupportedFormatError(f"{where}: has the unknown DTensor placement {kind!r}")
+    if len(out) != len(ref.mesh_shape):
+        raise CorruptCheckpointError(f"{where}: {len(out)} placements for a mesh of shape {ref.mesh_shape}")
+    _check_shard_order(ref, tuple(out), where)
+    return tuple(out)
+
+
+def _check_shard_order(ref: DTensorRef, placements: tuple[Placement, ...], where: str) -> None:
+    """A DTensor may shard one dim over several mesh dims in another order than left to
+    right; our rule covers the default order only, so refuse anything else."""
+    order = ref.extra.get("shard_order")
+    if order is None:
+        return
+    dims = sorted({d for k, d in placements if k == "Shard"})
+    default = [(d, tuple(m for m, (k, dd) in enumerate(placements) if k == "Shard" and dd == d)) for d in dims]
+    got = []
+    for entry in order if isinstance(order, tuple) else ():
+        args = entry.args if isinstance(entry, Record) else ()
+        if len(args) == 2 and isinstance(args[1], tuple):
+            got.append((args[0], args[1]))
+    if got != default:
+        raise UnsupportedFormatError(f"{where}: shards in a non-default order ({order!r}); save it with dcp.save instead")
+
+
+def _coordinate(ref: DTensorRef, rank: int, where: str) -> tuple[int, ...]:
+    coord = ref.coordinate
+    if coord is None:  # not recorded: the default mesh lays ranks out in C order
+        coord = tuple(rank // math.prod(ref.mesh_shape[i + 1 :]) % n for i, n in enumerate(ref.mesh_shape))
+    if len(coord) != len(ref.mesh_shape) or not all(isinstance(c, int) and 0 <= c < n for c, n in zip(coord, ref.mesh_shape)):
+        raise CorruptCheckpointError(f"{where}: mesh coordinate {coord} does not fit mesh {ref.mesh_shape}")
+    return tuple(coord)
+
+
+def _sharded_entry(name: str, shards: list[tuple[int, Path, DTensorRef]], world_size: int, folder: Path) -> TensorEntry:
+    _, file0, ref0 = shards[0]
+    placements = _placements(ref0, f"{file0}: {name!r}")
+    if math.prod(ref0.mesh_shape) != world_size:
+        raise CorruptCheckpointError(
+            f"{file0}: {name!r} lives on a mesh of {math.prod(ref0.mesh_shape)} ranks {ref0.mesh_shape}, "
+            f"but {folder} holds {world_size} rank files"
+        )
+    chunks: dict[Box, Chunk] = {}
+    for rank, file, ref in shards:
+        where = f"{file}: {name!r}"
+        same = (ref.global_shape, ref.mesh_shape, ref.local.dtype) == (ref0.global_shape, ref0.mesh_shape, ref0.local.dtype)
+        if not same or _placements(ref, where) != placements:
+            raise CorruptCheckpointError(
+                f"{where} is {ref.local.dtype} {list(ref.global_shape)} on mesh {ref.mesh_shape}, but in {file0} it is "
+                f"{ref0.local.dtype} {list(ref0.global_shape)} on mesh {ref0.mesh_shape} (placements must match too)"
+            )
+        box = dtensor_shard_box(ref.global_shape, placements, ref.mesh_shape, _coordinate(ref, rank, where))
+        if box.sizes != ref.local.shape:
+            raise CorruptCheckpointError(
+                f"{where}: the local shard has shape {list(ref.local.shape)}, but DTensor's sharding rules give "
+                f"{list(box.sizes)} at mesh coordinate {ref.coordinate} (padded or foreign shard?)"
+            )
+        if box.numel > 0 and box not in chunks:  # replicas are stored once, empty shards not at all
+            chunks[box] = Chunk(box, ref.local)
+    why = tiles_exactly(ref0.global_shape, list(chunks))
+    if why is not None:
+        raise CorruptCheckpointError(f"{folder}: the rank files' shards of {name!r} do not make up the tensor: {why}")
+    return TensorEntry(name, ref0.global_shape, ref0.local.dtype, list(chunks.values()))
+
+
+def _check_replicated(name: str, copies: list[tuple[Path, StoredRegion]]) -> None:
+    """Plain tensors beside DTensors are taken to be replicas (buffers, step counters): at
+    least their shapes must agree, or they are per-rank parts we cannot place."""
+    f0, r0 = copies[0]
+    for f, r in copies[1:]:
+        if (r.shape, r.dtype) != (r0.shape, r0.dtype):
+            raise UnsupportedFormatError(
+                f"{f}: plain tensor {name!r} is {r.dtype} {list(r.shape)} here but {r0.dtype} {list(r0.shape)} "
+                f"in {f0.name}: a per-rank part reshard cannot place (save it as a DTensor)"
+            )
+
+
+def _kind(leaf: Any) -> str:
+    return "DTensor" if isinstance(leaf, DTensorRef) else "tensor" if isinstance(leaf, StoredRegion) else "object"
+
+
+def _placement_names(placements: tuple[Any, ...]) -> list[str]:
+    return [f"{p.kind}({(p.state or {}).get('dim', '')})" if isinstance(p, Record) else repr(p) for p in placements]
+
+
+def _one_set(path: Path) -> dict[int, Path]:
+    """rank -> file of the folder's single set of per-rank files, ranks 0..N-1 all present."""
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path}: not a folder of per-rank torch files")
+    groups = rank_files(path)
+    if len(groups) != 1:
+        kinds = ", ".join(sorted(g.format("*") for g in groups)) or "none"
+        raise UnsupportedFormatError(
+            f"{path}: expected one set of per-rank torch files, found {kinds}; put each set in its own folder"
+        )
+    files = next(iter(groups.values()))
+    missing = sorted(set(range(max(files) + 1)) - set(files))
+    if missing:
+        raise CorruptCheckpointError(f"{path}: rank file(s) for rank {missing} are missing (found ranks {sorted(files)})")
+    return dict(sorted(files.items()))
+
+
+class TorchRanksFormat:
+    name = "torch-ranks"
+
+    def detect(self, path: Path) -> bool:
+        if not path.is_dir() or (path / ".metadata").exists():  # a DCP folder is DCP's
+            return False
+        return any(len(files) >= 2 for files in rank_files(path).values())
+
+    def read(self, path: Path) -> Catalog:
+        """Catalog the folder: DTensors from every rank, plain tensors and objects from rank 0."""
+        path = Path(path)
+        files = _one_set(path)
+        trees: dict[int, FlatTree] = {r: flatten_tree(read_torch_zip(f), str(f)) for r, f in files.items()}
+        catalog = Catalog(format=self.name, path=path, attrs={"source_world_size": len(files)})
+        names = list(dict.fromkeys(n for t in trees.values() for n in t.leaves))
+        placements: dict[str, list[str]] = {}
+        for name in names:
+            held = [(r, files[r], t.leaves[name]) for r, t in trees.items() if name in t.leaves]
+            nested, leaf = held[0][2]
+            kinds = {_kind(v): f for _, f, (_, v) in held}
+            if len(kinds) > 1:
+                (a, fa), (b, fb) = list(kinds.items())[:2]
+                raise CorruptCheckpointError(f"{path}: {name!r} is a {a} in {fa.name} but a {b} in {fb.name}")
+            if isinstance(leaf, DTensorRef):
+                shards = [(r, f, v) for r, f, (_, v) in held]
+                catalog.tensors[name] = _sharded_entry(name, shards, len(files), path)  # type: ignore[arg-type]
+                catalog.attrs.setdefault("source_mesh", leaf.mesh_shape)
+                if leaf.mesh_dim_names:
+                    catalog.attrs.setdefault("source_mesh_dim_names", tuple(leaf.mesh_dim_names))
+                placements[name] = _placement_names(leaf.placements)
+            elif isinstance(leaf, StoredRegion):  # the same on every rank (buffers, step counters)
+                _check_replicated(name, [(f, v) for _, f, (_, v) in held])
+                catalog.tensors[name] = TensorEntry(name, leaf.shape, leaf.dtype, [Chunk(full_box(leaf.shape), leaf)])
+            elif held[0][0] == 0:
+                catalog.objects[name] = leaf
+            else:
+                continue
+            catalog.paths[name] = nested
+        if not placements and catalog.tensors:
+            raise UnsupportedFormatError(
+                f"{path}: the rank files hold plain tensors, no DTensors, so where each rank's part belongs is "
+                "unknown (tensor-parallel shards?); if every rank saved the same state, read one file on its own"
+            )
+        if placements:
+            catalog.attrs["source_placements"] = placements
+        if trees[0].containers:
+            catalog.attrs[CONTAINERS_ATTR] = trees[0].containers
+        return catalog
+
+    def writer(self, dst: Path, **options: Any) -> Any:
+        raise UnsupportedFormatError("writing per-rank torch files needs --to-mesh (coming)")

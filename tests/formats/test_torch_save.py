@@ -1,0 +1,385 @@
+from __future__ import annotations
+
+import pickle
+import shutil
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import reshard
+from reshard.boxes import Box, full_box
+from reshard.catalog import Catalog, TensorEntry
+from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError, UsageError
+from reshard.formats import torch_ranks
+from reshard.formats.registry import detect_format
+from reshard.formats.torch_ranks import TorchRanksFormat, dtensor_shard_box, rank_files
+from reshard.formats.torch_save import TorchSaveFormat, TorchSaveWriter, build_tree, flatten_tree
+from reshard.formats.torch_zip import DTensorRef, Record
+from reshard.plan import full_target
+from reshard.regions import StoredRegion
+from tests.dist import run_world
+from tests.fixtures import TinyNet
+from tests.formats.test_dcp import _Evil
+from tests.formats.test_torch_zip import _write
+
+
+def _full(entry: TensorEntry) -> torch.Tensor:
+    out = torch.empty(entry.shape, dtype=entry.dtype)
+    for c in entry.chunks:
+        out[c.box.as_slices()] = c.data.read(full_box(c.box.sizes))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(got: Any, want: Any, where: str = "", ordered: bool = True) -> None:
+    """Equal values, bit for bit, with the same container types (dict/list/tuple) and key order."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), where
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), where
+        assert torch.equal(_bits(got), _bits(want)), where
+    elif isinstance(want, dict):
+        keys = (list(got), list(want)) if ordered else (sorted(got, key=str), sorted(want, key=str))
+        assert isinstance(got, dict) and keys[0] == keys[1], (where, *keys)
+        for k in want:
+            _same(got[k], want[k], f"{where}.{k}", ordered)
+    elif isinstance(want, (list, tuple)) and not isinstance(want, torch.Size):
+        assert type(got) is type(want) and len(got) == len(want), (where, got, want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            _same(g, w, f"{where}.{i}", ordered)
+    else:
+        assert got == want and type(got) is type(want), (where, got, want)
+
+
+def _write_torch(catalog, dst: Path) -> None:
+    """What the engine does for the torch writer: bytes as they are, pieces from the tensors."""
+    files = TorchSaveWriter(dst).layout(full_target(catalog))
+    assert [f.relpath for f in files] == [""]
+    _write(dst, files[0].segments, {n: _full(t) for n, t in catalog.tensors.items()})
+
+
+# ---------------------------------------------------------------------------------- one file
+
+
+def _zoo() -> dict:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "model": OrderedDict([
+            ("layers.0.w", torch.randn(3, 5)),
+            ("bf", torch.randn(7).to(torch.bfloat16)),
+            ("f8", torch.randn(4).to(torch.float8_e4m3fn)),
+            ("ids", torch.arange(5, dtype=torch.int64)),
+            ("mask", torch.tensor([True, False, True])),
+            ("scalar", torch.tensor(3.5)),
+            ("empty", torch.empty(0, 3)),
+            ("view", base.t()[1:5]),
+            ("param", torch.nn.Parameter(torch.ones(2, 2))),
+        ]),
+        "optimizer": {  # a plain torch optimizer: int keys, params as ints
+            "state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.randn(3, 5)}, 1: {"step": torch.tensor(2.0)}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0, 1]}],
+        },
+        "pairs": (torch.ones(2), torch.zeros(3)),
+        "history": [torch.full((2,), 7.0), {"note": "x"}],
+        "step": 12, "name": "run-1", "nothing": None, "extra": {},
+    }
+
+
+def test_reads_what_torch_saves(tmp_path: Path) -> None:
+    value = _zoo()
+    torch.save(value, tmp_path / "zoo.pt")
+    cat = TorchSaveFormat().read(tmp_path / "zoo.pt")
+    assert cat.format == "torch"
+    assert list(cat.tensors)[:3] == ["model.layers.0.w", "model.bf", "model.f8"]
+    for name in ("layers.0.w", "bf", "f8", "ids", "mask", "scalar", "empty", "view", "param"):
+        _same(_full(cat.tensors[f"model.{name}"]), value["model"][name].detach(), name)
+    _same(_full(cat.tensors["optimizer.state.0.exp_avg"]), value["optimizer"]["state"][0]["exp_avg"])
+    _same(_full(cat.tensors["pairs.1"]), value["pairs"][1])
+    _same(_full(cat.tensors["history.0"]), value["history"][0])
+    assert cat.paths["model.layers.0.w"] == ("model", "layers.0.w")
+    assert cat.paths["optimizer.state.0.step"] == ("optimizer", "state", 0, "step")
+    assert cat.paths["optimizer.param_groups.0.betas"] == ("optimizer", "param_groups", 0, "betas")
+    assert cat.objects["optimizer.param_groups.0.betas"] == (0.9, 0.95)
+    assert cat.objects["optimizer.param_groups.0.params"] == [0, 1]
+    assert cat.objects["history.1.note"] == "x" and cat.objects["extra"] == {}
+    assert cat.objects["step"] == 12 and cat.objects["nothing"] is None
+    assert cat.tensors["model.view"].chunks[0].data.strides is not None  # read in place, not copied
+
+
+def test_written_file_loads_with_torch_exactly(tmp_path: Path) -> None:
+    value = _zoo()
+    torch.save(value, tmp_path / "zoo.pt")
+    _write_torch(TorchSaveFormat().read(tmp_path / "zoo.pt"), tmp_path / "out.pt")
+    want = {**value, "model": dict(value["model"])}
+    want["model"]["param"] = want["model"]["param"].detach()
+    for mmap in (False, True):
+        _same(torch.load(tmp_path / "out.pt", weights_only=True, mmap=mmap), want)
+    with zipfile.ZipFile(tmp_path / "out.pt") as z:
+        assert z.namelist()[0] == "out/data.pkl"  # archive named after the file, as torch does
+
+
+def test_hf_bin_with_tied_weights(tmp_path: Path) -> None:
+    embed = torch.randn(10, 4)
+    sd = OrderedDict([("model.embed_tokens.weight", embed), ("lm_head.weight", embed), ("model.norm.weight", torch.ones(4))])
+    path = tmp_path / "pytorch_model.bin"
+    torch.save(sd, path)
+    assert detect_format(path).name == "torch"
+    cat = reshard.inspect(path)
+    assert list(cat.tensors) == list(sd)
+    assert torch.equal(_full(cat.tensors["lm_head.weight"]), embed)
+    no_suffix = tmp_path / "checkpoint"
+    shutil.copy(path, no_suffix)
+    assert TorchSaveFormat().detect(no_suffix) and not TorchSaveFormat().detect(tmp_path)
+
+
+def test_tree_round_trip_and_dcp_paths() -> None:
+    tree = {"a": {0: {"x": 1}, 2: [3]}, "t": ("s", {"k": 2}), "l": [[1, {"z": 0}], 5]}
+    flat = flatten_tree(tree, "mem")
+    assert build_tree([v for v in flat.leaves.values()], flat.containers) == tree
+    # Without container kinds (paths from DCP), int keys rebuild lists, gaps as None (DCP's rule).
+    assert build_tree([(("o", "pg", 1, "lr"), 0.1), (("o", "pg", 0, "lr"), 0.2)]) == {"o": {"pg": [{"lr": 0.2}, {"lr": 0.1}]}}
+    assert build_tree([(("l", 1), "b")]) == {"l": [None, "b"]}
+    with pytest.raises(UsageError, match="collide"):
+        build_tree([(("a",), 1), (("a", "b"), 2)])
+    with pytest.raises(UnsupportedFormatError, match="both flatten to the name 'a.b'"):
+        flatten_tree({"a.b": 1, "a": {"b": 2}}, "mem")
+
+
+def test_objects_holding_tensors_are_written(tmp_path: Path) -> None:
+    """Objects read from DCP byte items may hold in-memory tensors; they go in as storages."""
+    cat = Catalog(format="dcp", path=tmp_path, objects={"extra.pair": (torch.arange(3), "x"), "extra.n": 1})
+    _write_torch(cat, tmp_path / "o.pt")
+    _same(torch.load(tmp_path / "o.pt", weights_only=True), {"extra.pair": (torch.arange(3), "x"), "extra.n": 1})
+
+
+def test_writer_refuses_sharded_layout(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(4, 2)}, tmp_path / "w.pt")
+    target = full_target(TorchSaveFormat().read(tmp_path / "w.pt"))
+    target.tensors["w"].boxes = [Box((0, 0), (2, 2)), Box((2, 0), (2, 2))]
+    with pytest.raises(UsageError, match="torch files hold whole tensors; 'w' is laid out as 2 boxes"):
+        TorchSaveWriter(tmp_path / "o.pt").layout(target)
+
+
+def test_malicious_pickle_is_refused_not_run(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "good.pt")
+    marker = tmp_path / "pwned"
+    bad = tmp_path / "bad.pt"
+    with zipfile.ZipFile(tmp_path / "good.pt") as src, zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = pickle.dumps({"w": _Evil(str(marker))}) if info.filename.endswith("data.pkl") else src.read(info)
+            dst.writestr(info.filename, data)
+    with pytest.raises(UnsafeCheckpointError, match=r"bad\.pt.*(posix|os)\.system.*not on reshard's allow-list"):
+        TorchSaveFormat().read(bad)
+    assert not marker.exists()
+
+
+def test_broken_files_are_corrupt(tmp_path: Path) -> None:
+    torch.save({"w": torch.randn(1000)}, tmp_path / "good.pt")
+    data = (tmp_path / "good.pt").read_bytes()
+    for name, content in [("half.pt", data[: len(data) // 2]), ("cut.pt", data[:-1]), ("text.pt", b"not a checkpoint")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CorruptCheckpointError, match=rf"{name}: not a torch.save zip archive"):
+            TorchSaveFormat().read(tmp_path / name)
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    with pytest.raises(CorruptCheckpointError, match="legacy .pre-1.6. files are not supported"):
+        TorchSaveFormat().read(tmp_path / "legacy.pt")
+
+
+# ---------------------------------------------------------------------------------- rank files
+
+
+class _Odd(torch.nn.Module):
+    """Shapes that 2 ranks split unevenly: 7 rows -> 4, 3; 3 -> 2, 1; 1 -> 1, empty."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(5, 7)
+        self.embed = torch.nn.Embedding(3, 4)
+        self.gate = torch.nn.Parameter(torch.randn(1, 5))
+
+
+def _save_worker(rank: int, world_size: int, out: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    root = Path(out)
+    full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
+    torch.manual_seed(0)
+    # 1-D FSDP2 over 4 ranks: 11 rows -> 3,3,3,2; 7 -> 2,2,2,1; 2 -> 1,1,0,0 (empty shards).
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = TinyNet()
+    for sub in (model.embed, model.proj, model.head):
+        fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    torch.save({"model": msd, "optim": osd, "step": 1}, root / "fsdp" / f"rank{rank}.pt")
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=root / "dcp")
+    ref = {f"model.{k}": full(v) for k, v in msd.items()}
+    ref.update({f"optim.state.{p}.{k}": full(v) for p, st in osd["state"].items() for k, v in st.items()})
+    # 2-D HSDP (Replicate, Shard(0)), plus nested shards of one dim and of two dims.
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    odd = _Odd()
+    fully_shard(odd, mesh=mesh2)
+    sd2 = dict(odd.state_dict())
+    big = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)  # same on every rank (seeded)
+    sd2["nested"] = distribute_tensor(big, mesh2, [Shard(0), Shard(0)])  # 7 -> 4,3 -> 2,2,2,1
+    sd2["grid"] = distribute_tensor(big, mesh2, [Shard(1), Shard(0)])
+    sd2["rep"] = distribute_tensor(big[:2], mesh2, [Replicate(), Replicate()])
+    torch.save(sd2, root / "hsdp" / f"model_world_size_4_rank_{rank}.pt")
+    ref.update({f"hsdp.{k}": full(v) for k, v in sd2.items()})
+    torch.save({"p": DTensor.from_local(torch.ones(3), mesh, [Partial()])}, root / "partial" / f"rank{rank}.pt")
+    one = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("a", "b"))["b"]
+    single = distribute_tensor(torch.arange(6.0), one, [Shard(0)])
+    if rank == 1:
+        torch.save({"w": single}, root / "one_rank.pt")
+    if rank == 0:
+        torch.save(ref, root / "ref.pt")
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """One 4-rank gloo world for every multi-rank check (ranks are slow to start)."""
+    root = tmp_path_factory.mktemp("ranks")
+    for sub in ("fsdp", "hsdp", "partial"):
+        (root / sub).mkdir()
+    run_world(_save_worker, 4, str(root), timeout=240)
+    return root, torch.load(root / "ref.pt", weights_only=True)
+
+
+def test_reads_fsdp2_rank_files_exactly(saved) -> None:
+    root, ref = saved
+    assert detect_format(root / "fsdp").name == "torch-ranks"
+    cat = TorchRanksFormat().read(root / "fsdp")
+    for name, want in ref.items():
+        if not name.startswith("hsdp."):
+            _same(_full(cat.tensors[name]), want, name)
+    assert [c.box.sizes[0] for c in cat.tensors["model.embed.weight"].chunks] == [3, 3, 3, 2]
+    assert [c.box.offsets[0] for c in cat.tensors["model.proj.weight"].chunks] == [0, 2, 4, 6]
+    assert len(cat.tensors["optim.state.head.weight.exp_avg"].chunks) == 2  # two empty shards store nothing
+    assert cat.paths["optim.state.embed.weight.exp_avg"] == ("optim", "state", "embed.weight", "exp_avg")
+    assert cat.objects["step"] == 1 and cat.objects["optim.param_groups.0.lr"] == 1e-2
+    assert cat.attrs["source_mesh"] == (4,) and cat.attrs["source_world_size"] == 4
+    assert cat.attrs["source_placements"]["model.embed.weight"] == ["Shard(0)"]
+
+
+def test_reads_hsdp_and_nested_shards(saved) -> None:
+    root, ref = saved
+    cat = reshard.inspect(root / "hsdp")
+    assert cat.format == "torch-ranks" and cat.attrs["source_mesh"] == (2, 2)
+    for name, t in cat.tensors.items():
+        _same(_full(t), ref[f"hsdp.{name}"], name)
+    assert [c.box.sizes for c in cat.tensors["up.weight"].chunks] == [(4, 5), (3, 5)]  # replicas once
+    assert len(cat.tensors["gate"].chunks) == 1
+    assert [c.box.sizes[0] for c in cat.tensors["nested"].chunks] == [2, 2, 2, 1]
+    assert [c.box.offsets for c in cat.tensors["grid"].chunks] == [(0, 0), (4, 0), (0, 3), (4, 3)]
+    assert len(cat.tensors["rep"].chunks) == 1
+
+
+def test_missing_rank_files_are_corrupt(saved, tmp_path: Path) -> None:
+    root, _ = saved
+    for gone, message in [(2, r"rank file\(s\) for rank \[2\] are missing"), (3, "lives on a mesh of 4 ranks")]:
+        folder = tmp_path / f"without{gone}"
+        shutil.copytree(root / "fsdp", folder)
+        (folder / f"rank{gone}.pt").unlink()
+        with pytest.raises(CorruptCheckpointError, match=message):
+            TorchRanksFormat().read(folder)
+
+
+def test_unplaceable_dtensors_are_refused(saved, tmp_path: Path, monkeypatch) -> None:
+    root, _ = saved
+    with pytest.raises(UnsupportedFormatError, match=r"'p'.*Partial placement"):
+        TorchRanksFormat().read(root / "partial")
+    with pytest.raises(UnsupportedFormatError, match=r"rank1\.pt: 'model\.embed\.weight' is one rank's shard of a DTensor"):
+        TorchSaveFormat().read(root / "fsdp" / "rank1.pt")
+    # A DTensor on a one-rank mesh is a whole tensor.
+    _same(_full(TorchSaveFormat().read(root / "one_rank.pt").tensors["w"]), torch.arange(6.0))
+    # _StridedShard (FSDP2 over TP) and non-default shard orders: files faked at the pickle level.
+    local = StoredRegion(root / "one_rank.pt", 0, torch.float32, (2,))
+    for placements, extra, message in [
+        ((Record("_StridedShard", (), {"dim": 0, "split_factor": 2}),), {}, "_StridedShard"),
+        ((Record("Shard", (), {"dim": 0}), Record("Shard", (), {"dim": 0})),
+         {"shard_order": (Record("ShardOrderEntry", (0, (1, 0))),)}, "non-default order"),
+    ]:
+        mesh = (2,) * len(placements)
+        trees = {r: {"x": DTensorRef(local, (4,), placements, mesh, None, extra=extra)} for r in range(2 ** len(placements))}
+        monkeypatch.setattr(torch_ranks, "read_torch_zip", lambda f: trees[int(f.stem[4:])])
+        folder = tmp_path / message.replace(" ", "_")
+        folder.mkdir()
+        for r in trees:
+            (folder / f"rank{r}.pt").write_bytes(b"")
+        with pytest.raises(UnsupportedFormatError, match=message):
+            TorchRanksFormat().read(folder)
+
+
+def test_rank_file_names_and_detection(tmp_path: Path) -> None:
+    for name in ("rank0.pt", "rank1.pt", "model_world_size_2_rank_0.bin", "model_world_size_2_rank_1.bin",
+                 "crank3.pt", "notes.txt", "rank7.safetensors"):
+        (tmp_path / name).write_bytes(b"")
+    assert {k: sorted(v) for k, v in rank_files(tmp_path).items()} == {
+        "rank{}.pt": [0, 1], "model_world_size_2_rank_{}.bin": [0, 1]}
+    assert TorchRanksFormat().detect(tmp_path)
+    with pytest.raises(UnsupportedFormatError, match=r"model_world_size_2_rank_\*\.bin, rank\*\.pt; put each set"):
+        TorchRanksFormat().read(tmp_path)
+    (tmp_path / ".metadata").write_bytes(b"")
+    assert not TorchRanksFormat().detect(tmp_path)
+    with pytest.raises(UnsupportedFormatError, match="needs --to-mesh"):
+        TorchRanksFormat().writer(tmp_path / "out")
+
+
+def test_plain_per_rank_tensors_are_not_guessed(tmp_path: Path) -> None:
+    for r in range(2):  # e.g. tensor-parallel shards: same names, different data per rank
+        torch.save({"w": torch.full((2, 3), float(r)), "step": 3}, tmp_path / f"mp_rank_{r:02d}.pt")
+    with pytest.raises(UnsupportedFormatError, match="plain tensors, no DTensors"):
+        reshard.inspect(tmp_path)
+
+
+@pytest.mark.parametrize("n", range(0, 10))
+@pytest.mark.parametrize("k", range(1, 6))
+def test_shard_boxes_follow_torch_chunk(n: int, k: int) -> None:
+    pieces = list(torch.arange(n).chunk(k)) if n else []
+    boxes = [dtensor_shard_box((n, 2), (("Shard", 0),), (k,), (i,)) for i in range(k)]
+    for i, box in enumerate(boxes):
+        want = pieces[i].tolist() if i < len(pieces) else []
+        assert list(range(box.offsets[0], box.offsets[0] + box.sizes[0])) == want and box.sizes[1] == 2
+
+
+# ---------------------------------------------------------------------------------- acceptance
+
+
+def test_dcp_checkpoint_to_torch_file_loads_into_the_model(saved, tmp_path: Path) -> None:
+    """reshard's DCP -> .pt equals torch's own dcp_to_torch_save, and loads into the model."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root, ref = saved
+    out = tmp_path / "full.pt"
+    result = reshard.convert(root / "dcp", out, max_memory="4KiB", quiet=True)
+    assert result.format == "torch" and result.notices == []
+    dcp_to_torch_save(root / "dcp", tmp_path / "theirs.pt")
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=True)
+    for mmap in (False, True):
+        ours = torch.load(out, weights_only=True, mmap=mmap)
+        _same(ours, theirs, ordered=False)  # key order: ours keeps the trainer's (planner_data)
+    model = TinyNet()
+    model.load_state_dict(ours["model"])
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[f"model.{k}"]), k
+    assert isinstance(ours["optim"]["param_groups"], list)
+    assert torch.equal(ours["optim"]["state"]["embed.weight"]["exp_avg"], ref["optim.state.embed.weight.exp_avg"])
+    # A per-rank folder converts to the same full file (keys in the order the trainer had them:
+    # DCP's metadata lists AdamW's "step" last).
+    reshard.convert(root / "fsdp", tmp_path / "from_ranks.pt", quiet=True)
+    _same(torch.load(tmp_path / "from_ranks.pt", weights_only=True), {**theirs, "step": 1}, ordered=False)
