@@ -150,8 +150,6 @@ class DCPWriter:
                         storage_meta=StorageMeta(), version="1.0.0")
         with open(staging / ".metadata", "wb") as f:
             pickle.dump(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
 
     def notices(self, target: Target) -> list[str]:
         return []

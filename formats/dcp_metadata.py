@@ -116,13 +116,15 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
     return out
 
 
-def _record(info: Any, where: str, root: Path) -> StorageRecord:
+def _record(info: Any, where: str, root: Path, inside: dict[str, bool]) -> StorageRecord:
     if type(info).__name__ != "StorageInfo":
         raise CorruptCheckpointError(f"{where}: storage record has type {type(info).__name__}")
     rel = getattr(info, "relative_path", None)
     if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or ".." in Path(rel).parts:
         raise UnsafeCheckpointError(f"{where}: data file {rel!r} is outside the checkpoint folder")
-    if not (root / rel).resolve().is_relative_to(root.resolve()):
+    if rel not in inside:  # a few files hold thousands of chunks: resolve each file once
+        inside[rel] = (root / rel).resolve().is_relative_to(root.resolve())
+    if not inside[rel]:
         raise UnsafeCheckpointError(f"{where}: data file {rel!r} resolves outside the checkpoint folder")
     for field_name in ("offset", "length"):
         v = getattr(info, field_name, None)
@@ -145,12 +147,13 @@ def load_dcp_index(root: Path) -> DCPIndex:
         raise CorruptCheckpointError(f"{meta_path}: has no storage records (storage_data)")
 
     records: dict[tuple[str, tuple[int, ...]], StorageRecord] = {}
+    inside: dict[str, bool] = {}
     for key, info in meta.storage_data.items():
         fqn, offset = getattr(key, "fqn", None), getattr(key, "offset", None)
         if not isinstance(fqn, str):
             raise CorruptCheckpointError(f"{meta_path}: storage key {key!r} has no name")
         offs = () if offset is None else _ints(offset, f"{meta_path}: {fqn} storage offset")
-        records[(fqn, offs)] = _record(info, f"{meta_path}: {fqn}", root)
+        records[(fqn, offs)] = _record(info, f"{meta_path}: {fqn}", root, inside)
 
     tensors, objects = {}, {}
     for name, md in meta.state_dict_metadata.items():

@@ -66,6 +66,7 @@ def convert(
     max_memory: MaxMemory = "1GiB",
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Split safetensors output into files of at most this size.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists (only once the new output is complete).")] = False,
+    fsync: Annotated[bool, typer.Option("--fsync", help="Sync the output to disk before it appears (durable across power loss; slower).")] = False,
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
@@ -76,7 +77,7 @@ def convert(
 
     result = reshard.convert(
         src, dst, to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only,
-        max_memory=max_memory, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet,
+        max_memory=max_memory, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet, fsync=fsync,
     )
     if not quiet:
         for notice in result.notices:

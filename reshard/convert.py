@@ -80,12 +80,14 @@ def convert(
     overwrite: bool = False,
     quiet: bool = False,
     workers: int | None = None,
+    fsync: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` (format ``to``, or guessed from ``dst``).
 
     Lossless unless asked otherwise: names, dtypes and every bit of every tensor are kept;
     objects travel where the target can hold them (``ConvertResult.notices`` says what
-    could not). Peak memory is bounded by ``max_memory``, not by the checkpoint size.
+    could not). Peak memory is bounded by ``max_memory``, not by the checkpoint size. The
+    output appears atomically; ``fsync=True`` also makes it durable against power loss.
 
     >>> reshard.convert("ckpt/", "model.safetensors", only="model", dtype="bfloat16")
     """
@@ -106,8 +108,8 @@ def convert(
     writer = out_fmt.writer(dst, max_shard_size=shard_size)
     files = writer.layout(target)
     plan = make_plan(catalog, files)
-    engine = Engine(budget, workers=workers, progress=not quiet, desc=f"{src.name} → {dst.name}")
-    with StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=(src,)) as out:
+    engine = Engine(budget, workers=workers, progress=not quiet, desc=f"{src.name} → {dst.name}", fsync=fsync)
+    with StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=(src,), fsync=fsync) as out:
         stats = engine.run(plan, out.staging, writer.output_is_dir)
         writer.finish(out.staging, target, files)
         _check_unchanged(before)

@@ -119,8 +119,9 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 class Engine:
     def __init__(self, max_memory: int, *, workers: int | None = None, progress: bool = True,
-                 desc: str = "writing") -> None:
+                 desc: str = "writing", fsync: bool = False) -> None:
         self.max_memory = max_memory
+        self.fsync = fsync
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
         self.show_progress = progress and sys.stderr.isatty()
         self.desc = desc
@@ -149,6 +150,14 @@ class Engine:
 
     def _fill(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: _FdCache,
               stats: EngineStats, bar: tqdm) -> None:
+        self._copy_piece(fd, offset, piece, sources, fds, stats, bar)
+        # With fsync, start writing this piece to disk now, in the background, so the final
+        # fsync has little left to wait for (disk writes overlap the rest of the copy).
+        if self.fsync and piece.nbytes and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, piece.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def _copy_piece(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: _FdCache,
+                    stats: EngineStats, bar: tqdm) -> None:
         copies = self._kernel_plan(piece, sources)
         if copies is not None:
             for region, src_off, at, n in copies:
@@ -196,8 +205,9 @@ class Engine:
                 except BaseException:
                     pool.shutdown(cancel_futures=True)
                     raise
-            for fd in out_fds.values():
-                os.fsync(fd)
+            if self.fsync:
+                for fd in out_fds.values():
+                    os.fsync(fd)
         finally:
             bar.close()
             fds.close()

@@ -6,6 +6,12 @@ metadata are written and synced. A crash, Ctrl-C or SIGKILL leaves at most a hid
 ``.NAME.reshard-tmp-PID`` sibling that no reader mistakes for a checkpoint; the next run
 removes those whose process is gone. A lock file beside the destination makes a second
 concurrent conversion into the same place fail fast instead of interleaving.
+
+Atomic is not durable: after a power loss, a renamed output whose pages never reached the
+disk can hold zeros. ``fsync=True`` (``--fsync``) syncs every file and both directories
+before and after the rename, as torch's DCP writer does by default; it is off by default
+because, like ``cp`` and safetensors' ``save_file``, most users convert on storage where a
+process crash, not a power cut, is the risk.
 """
 
 from __future__ import annotations
@@ -46,8 +52,10 @@ def _pid_of(name: str) -> int | None:
 class StagedOutput:
     """``with StagedOutput(dst, is_dir) as out: write under out.staging; out.commit()``."""
 
-    def __init__(self, dst: Path, *, is_dir: bool, overwrite: bool = False, sources: tuple[Path, ...] = ()) -> None:
+    def __init__(self, dst: Path, *, is_dir: bool, overwrite: bool = False, sources: tuple[Path, ...] = (),
+                 fsync: bool = False) -> None:
         self.dst = Path(dst)
+        self.fsync = fsync
         self.is_dir = is_dir
         self.overwrite = overwrite
         for src in sources:
@@ -101,7 +109,8 @@ class StagedOutput:
     def commit(self) -> None:
         """Move the finished staging into place; an existing output (with --overwrite) is
         replaced only after the new one is complete."""
-        _fsync_dir(self.staging) if self.is_dir else None
+        if self.fsync and self.is_dir:
+            _fsync_dir(self.staging)
         if self.dst.exists() or self.dst.is_symlink():
             old = self.dst.with_name(f".{self.dst.name}.reshard-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             os.rename(self.dst, old)
@@ -109,7 +118,8 @@ class StagedOutput:
             _remove(old)
         else:
             os.rename(self.staging, self.dst)
-        _fsync_dir(self.dst.parent)
+        if self.fsync:
+            _fsync_dir(self.dst.parent)
         self._committed = True
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:

@@ -103,8 +103,9 @@ def test_default_destination_is_beside_the_source(fsdp2_dcp, tmp_path: Path) -> 
     src = tmp_path / "ckpt"
     shutil.copytree(fsdp2_dcp[0], src)
     before = {p.name: p.stat().st_mtime_ns for p in src.iterdir()}
-    result = reshard.convert(src, to="torch", quiet=True)
+    result = reshard.convert(src, to="torch", quiet=True, fsync=True)  # the durable path too
     assert result.dst == tmp_path / "ckpt.pt" and result.dst.is_file()
+    assert reshard.verify(src, result.dst).equal
     result = reshard.convert(src, quiet=True)
     assert result.dst == tmp_path / "ckpt_dcp"
     assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before  # the source is untouched
