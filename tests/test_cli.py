@@ -86,6 +86,14 @@ def test_bad_input_is_one_line_exit_2(fsdp2_dcp, tmp_path: Path) -> None:
     assert_one_line_error(reshard("convert", fsdp2_dcp[0], tmp_path / "x", "--max-memory", "lots"), "lots")
     assert_one_line_error(reshard("convert", fsdp2_dcp[0], tmp_path / "x", "--dtype", "float7"), "float7")
     assert_one_line_error(reshard("convert", fsdp2_dcp[0], tmp_path / "x", "--bogus"), "--bogus")
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(64, 64)}, tmp_path / "t.safetensors")
+    data = (tmp_path / "t.safetensors").read_bytes()
+    (tmp_path / "t.safetensors").write_bytes(data[: len(data) // 2])
+    assert_one_line_error(reshard("inspect", tmp_path / "t.safetensors"), "t.safetensors")
+    assert_one_line_error(reshard("convert", tmp_path / "t.safetensors", tmp_path / "t.pt"), "t.safetensors")
+    (tmp_path / "t.safetensors").unlink()
     debug = reshard("inspect", corrupt, "--debug")
     assert debug.returncode == 2 and "Traceback" in debug.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt"]
