@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,13 @@ _kernel_copy_works = hasattr(os, "copy_file_range")
 class EngineStats:
     kernel_bytes: int = 0
     buffered_bytes: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, *, kernel: int = 0, buffered: int = 0) -> None:
+        """Workers report from several threads; ``+=`` on a field is not atomic."""
+        with self._lock:
+            self.kernel_bytes += kernel
+            self.buffered_bytes += buffered
 
 
 class _FdCache:
@@ -162,7 +169,7 @@ class Engine:
         if copies is not None:
             for region, src_off, at, n in copies:
                 _kernel_copy(fds.get(region.path), src_off, fd, offset + at, n, region.path)
-                stats.kernel_bytes += n
+                stats.add(kernel=n)
                 bar.update(n)
             return
         at = offset
@@ -171,7 +178,7 @@ class Engine:
             data = _as_bytes(assemble(slab, piece.dtype, parts, fds))
             _pwrite_all(fd, data, at)
             at += data.nbytes
-            stats.buffered_bytes += data.nbytes
+            stats.add(buffered=data.nbytes)
             bar.update(data.nbytes)
 
     def run(self, plan: Plan, root: Path, output_is_dir: bool) -> EngineStats:
