@@ -92,7 +92,8 @@ class DCPFormat:
 
 
 class DCPWriter:
-    """One ``__{rank}_0.distcp`` per target rank; objects in rank 0's file."""
+    """One ``__{rank}_0.distcp`` per target rank holding the boxes the target assigns to that
+    rank; objects in rank 0's file."""
 
     output_is_dir = True
 
@@ -118,7 +119,8 @@ class DCPWriter:
             buf = io.BytesIO()
             torch.save(value, buf)  # our own in-memory value, not user input
             add(0, (name, ()), [buf.getvalue()])
-        return files
+        # A rank that stores nothing (its shards are replicas kept by others) gets no file.
+        return [f for i, f in enumerate(files) if f.segments or i == 0]
 
     def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
         # torch's own classes, so that torch's unpickler reads our .metadata as its own.

@@ -19,7 +19,7 @@ __all__ = ["get_format", "detect_format", "FORMAT_NAMES", "format_for_destinatio
 _FORMATS: dict[str, str] = {
     "dcp": "reshard.formats.dcp:DCPFormat",
     "safetensors": "reshard.formats.safetensors:SafetensorsFormat",
-    "torch-ranks": "reshard.formats.torch_save:TorchRanksFormat",
+    "torch-ranks": "reshard.formats.torch_ranks:TorchRanksFormat",
     "torch": "reshard.formats.torch_save:TorchSaveFormat",
 }
 FORMAT_NAMES = tuple(_FORMATS)

@@ -17,20 +17,32 @@ import re
 from pathlib import Path
 from typing import Any
 
+from reshard.formats.torch_ranks_write import (
+    LAYOUT_KEY,
+    TorchRanksWriter,
+    read_layout_files,
+)
+from reshard.formats.torch_save import (
+    CONTAINERS_ATTR,
+    TORCH_SUFFIXES,
+    FlatTree,
+    flatten_tree,
+)
+from reshard.formats.torch_zip import DTensorRef, Record, read_torch_zip
+
 from reshard.boxes import Box, full_box, tiles_exactly
 from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.torch_save import CONTAINERS_ATTR, TORCH_SUFFIXES, FlatTree, flatten_tree
-from reshard.formats.torch_zip import DTensorRef, Record, read_torch_zip
+from reshard.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsupportedFormatError,
+)
+from reshard.layout import Placement, shard_box
 from reshard.regions import StoredRegion
 
-__all__ = ["TorchRanksFormat", "rank_files", "Placement", "dtensor_shard_box"]
+__all__ = ["TorchRanksFormat", "rank_files"]
 
 _RANK = re.compile(r"(?<![a-z])rank[_-]?(\d+)(?!\d)", re.IGNORECASE)
-
-# ("Shard", dim) or ("Replicate", None): the placements whose shards we can place.
-Placement = tuple[str, int | None]
-
 
 def rank_files(folder: Path) -> dict[str, dict[int, Path]]:
     """Torch files whose names carry a rank number, grouped by the name around the number
@@ -44,25 +56,6 @@ def rank_files(folder: Path) -> dict[str, dict[int, Path]]:
             m = found[-1]
             groups.setdefault(p.name[: m.start(1)] + "{}" + p.name[m.end(1) :], {}).setdefault(int(m.group(1)), p)
     return groups
-
-
-def dtensor_shard_box(
-    global_shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
-    coordinate: tuple[int, ...],
-) -> Box:
-    """Where the shard of the rank at ``coordinate`` sits, by DTensor's rules: mesh dims in
-    order, each ``Shard(d)`` cutting the current extent of ``d`` as ``torch.chunk`` does
-    (chunks of ceil(n/k), so trailing ranks may get less or nothing)."""
-    offsets, sizes = [0] * len(global_shape), list(global_shape)
-    for mesh_dim, (kind, dim) in enumerate(placements):
-        if kind != "Shard" or dim is None:
-            continue
-        n, k = sizes[dim], mesh_shape[mesh_dim]
-        step = -(-n // k)
-        start = min(coordinate[mesh_dim] * step, n)
-        offsets[dim] += start
-        sizes[dim] = min(step, n - start)
-    return Box(tuple(offsets), tuple(sizes))
 
 
 def _placements(ref: DTensorRef, where: str) -> tuple[Placement, ...]:
@@ -138,7 +131,7 @@ def _sharded_entry(name: str, shards: list[tuple[int, Path, DTensorRef]], world_
                 f"{where} is {ref.local.dtype} {list(ref.global_shape)} on mesh {ref.mesh_shape}, but in {file0} it is "
                 f"{ref0.local.dtype} {list(ref0.global_shape)} on mesh {ref0.mesh_shape} (placements must match too)"
             )
-        box = dtensor_shard_box(ref.global_shape, placements, ref.mesh_shape, _coordinate(ref, rank, where))
+        box = shard_box(ref.global_shape, placements, ref.mesh_shape, _coordinate(ref, rank, where))
         if box.sizes != ref.local.shape:
             raise CorruptCheckpointError(
                 f"{where}: the local shard has shape {list(ref.local.shape)}, but DTensor's sharding rules give "
@@ -202,6 +195,8 @@ class TorchRanksFormat:
         path = Path(path)
         files = _one_set(path)
         trees: dict[int, FlatTree] = {r: flatten_tree(read_torch_zip(f), str(f)) for r, f in files.items()}
+        if LAYOUT_KEY in trees[0].leaves:  # written by reshard for a mesh
+            return read_layout_files(path, files, trees)
         catalog = Catalog(format=self.name, path=path, attrs={"source_world_size": len(files)})
         names = list(dict.fromkeys(n for t in trees.values() for n in t.leaves))
         placements: dict[str, list[str]] = {}
@@ -238,5 +233,5 @@ class TorchRanksFormat:
             catalog.attrs[CONTAINERS_ATTR] = trees[0].containers
         return catalog
 
-    def writer(self, dst: Path, **options: Any) -> Any:
-        raise UnsupportedFormatError("writing per-rank torch files needs --to-mesh (coming)")
+    def writer(self, dst: Path, **options: Any) -> TorchRanksWriter:
+        return TorchRanksWriter()

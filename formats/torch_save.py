@@ -26,23 +26,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from reshard.formats.pieces import FileLayout, Piece, Segment
+from reshard.formats.torch_zip import (
+    DTensorRef,
+    PieceRef,
+    Record,
+    read_torch_zip,
+    torch_save_segments,
+)
 
 from reshard.boxes import full_box
 from reshard.catalog import Catalog, Chunk, NestedPath, Target, TensorEntry
 from reshard.errors import UnsupportedFormatError, UsageError
-from reshard.formats.pieces import FileLayout, Piece, Segment
-from reshard.formats.torch_zip import DTensorRef, PieceRef, Record, read_torch_zip, torch_save_segments
 from reshard.regions import StoredRegion
 
 __all__ = [
+    "CONTAINERS_ATTR",
+    "TORCH_SUFFIXES",
+    "FlatTree",
     "TorchSaveFormat",
     "TorchSaveWriter",
-    "TorchRanksFormat",
-    "FlatTree",
-    "flatten_tree",
     "build_tree",
-    "TORCH_SUFFIXES",
-    "CONTAINERS_ATTR",
+    "flatten_tree",
 ]
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
@@ -216,7 +221,7 @@ class TorchSaveFormat:
         return TorchSaveWriter(dst)
 
 
-def _embed_tensors(value: Any, records: dict[str, Segment]) -> Any:
+def embed_tensors(value: Any, records: dict[str, Segment]) -> Any:
     """``value`` with every in-memory tensor (objects read from DCP byte items may hold
     some) replaced by a storage record of its bytes, as torch.save would store it."""
     if isinstance(value, torch.Tensor):
@@ -225,9 +230,9 @@ def _embed_tensors(value: Any, records: dict[str, Segment]) -> Any:
         records[key] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         return PieceRef(key, t.dtype, tuple(t.shape))
     if isinstance(value, dict):
-        return type(value)((k, _embed_tensors(v, records)) for k, v in value.items())
+        return type(value)((k, embed_tensors(v, records)) for k, v in value.items())
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_embed_tensors(v, records) for v in value)
+        return type(value)(embed_tensors(v, records) for v in value)
     return value
 
 
@@ -253,7 +258,7 @@ class TorchSaveWriter:
             records[key] = Piece(t.name, t.boxes[0], t.dtype)
             leaves[t.name] = PieceRef(key, t.dtype, t.shape)
         for name, value in target.objects.items():
-            leaves[name] = _embed_tensors(value, records)
+            leaves[name] = embed_tensors(value, records)
         # Keep the source's key order where it is known (a model's state_dict order).
         rank = {name: i for i, name in enumerate(target.paths)}
         order = sorted(leaves, key=lambda n: rank.get(n, len(rank)))
@@ -266,11 +271,3 @@ class TorchSaveWriter:
     def notices(self, target: Target) -> list[str]:
         return []
 
-
-def __getattr__(name: str) -> Any:
-    # The registry names TorchRanksFormat here; it lives in its own module.
-    if name == "TorchRanksFormat":
-        from reshard.formats.torch_ranks import TorchRanksFormat
-
-        return TorchRanksFormat
-    raise AttributeError(name)

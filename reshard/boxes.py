@@ -40,9 +40,9 @@ class Box:
         """The common part of two boxes, or None when they share no element."""
         lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
         hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(h <= l for l, h in zip(lo, hi)):
+        if any(hi_ <= lo_ for lo_, hi_ in zip(lo, hi)):
             return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        return Box(lo, tuple(hi_ - lo_ for lo_, hi_ in zip(lo, hi)))
 
     def shifted(self, origin: Sequence[int]) -> Box:
         """This box in the coordinates of a box that starts at ``origin``."""

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from reshard.boxes import Box
+
+if TYPE_CHECKING:
+    from reshard.layout import MeshSpec, Placement
 
 __all__ = ["ChunkData", "Chunk", "TensorEntry", "Catalog", "NestedPath", "TargetTensor", "Target"]
 
@@ -74,13 +77,17 @@ class Catalog:
 @dataclass
 class TargetTensor:
     """A tensor as the output will store it: ``boxes[i]`` is written into the file of target
-    rank ``ranks[i]`` (always 0 for layouts without a mesh)."""
+    rank ``ranks[i]`` (always 0 for layouts without a mesh). On a mesh, ``boxes`` are the
+    distinct shards (replicas once), ``local[r]`` is rank ``r``'s own shard and
+    ``placements`` say how the tensor lies over the mesh."""
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     boxes: list[Box]
     ranks: list[int]
+    local: list[Box] | None = None
+    placements: tuple[Placement, ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +103,8 @@ class Target:
     paths: dict[str, NestedPath]
     attrs: dict[str, Any]
     world_size: int = 1
+    mesh: MeshSpec | None = None
+    notices: list[str] = field(default_factory=list)  # what the layout dropped or changed
 
     def nested_path(self, name: str) -> NestedPath:
         return self.paths.get(name, (name,))

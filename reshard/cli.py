@@ -39,28 +39,57 @@ def _say(msg: str) -> None:
     typer.echo(msg, err=True)
 
 
+ToMesh = Annotated[Optional[str], typer.Option("--to-mesh", help="Target device mesh: 8, 4x8, dp_replicate=4,dp_shard=8, dp_shard=2,tp=2.")]
+Placements = Annotated[Optional[str], typer.Option(
+    "--placements", help="With --to-mesh: fsdp (1-D default), hsdp (2-D default), fsdp+tp, or a PLAN.json.")]
+
+
 @app.command()
 def inspect(
     src: Annotated[Path, typer.Argument(help="Checkpoint: DCP folder, .safetensors file or folder, .pt file...")],
     as_json: AsJson = False,
+    to_mesh: ToMesh = None,
+    placements: Placements = None,
     debug: Debug = False,
 ) -> None:
-    """Show what a checkpoint holds: every tensor's shape, dtype, bytes and chunks, and the objects."""
+    """Show what a checkpoint holds: every tensor's shape, dtype, bytes and chunks, and the objects.
+
+    With --to-mesh, also the bytes each rank of that mesh would hold (parameters, optimizer
+    state), the imbalance, and the tensors that do not divide evenly."""
     _debug["on"] |= debug
     import reshard
     from reshard.report import catalog_json, catalog_table
 
     catalog = reshard.inspect(src)
-    typer.echo(json.dumps(catalog_json(catalog), indent=1) if as_json else catalog_table(catalog))
+    summary = None
+    if to_mesh is not None:
+        from reshard.mesh_report import summarize_for_mesh
+
+        summary = summarize_for_mesh(catalog, to_mesh, placements)
+    elif placements is not None:
+        raise UsageError("--placements needs --to-mesh")
+    if as_json:
+        out = catalog_json(catalog)
+        if summary is not None:
+            out["target"] = summary
+        typer.echo(json.dumps(out, indent=1))
+        return
+    typer.echo(catalog_table(catalog))
+    if summary is not None:
+        from reshard.mesh_report import mesh_table
+
+        typer.echo("\n" + mesh_table(summary))
 
 
 @app.command()
 def convert(
     src: Annotated[Path, typer.Argument(help="Checkpoint to read (never modified).")],
     dst: Annotated[Optional[Path], typer.Argument(help="Output path; default: beside SRC, named after the target.")] = None,
-    to: Annotated[Optional[str], typer.Option("--to", help="dcp, safetensors or torch; default from DST's suffix, else dcp.")] = None,
-    to_mesh: Annotated[Optional[str], typer.Option("--to-mesh", help="Lay out for a device mesh: 8, 4x8, dp_replicate=4,dp_shard=8.")] = None,
-    placements: Annotated[Optional[str], typer.Option("--placements", help="fsdp, hsdp or a PLAN.json (with --to-mesh).")] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="dcp, safetensors or torch (with --to-mesh: one file per rank); default from DST's suffix, else dcp.")] = None,
+    to_mesh: ToMesh = None,
+    placements: Placements = None,
+    keep_per_rank: Annotated[bool, typer.Option(
+        "--keep-per-rank", help="With --to-mesh on another rank count: carry per-rank state (RNG, data loader) as is instead of dropping it.")] = False,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating-point tensors, e.g. bfloat16.")] = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Keep one section: model, optim, or any name prefix.")] = None,
     max_memory: MaxMemory = "1GiB",
@@ -78,8 +107,9 @@ def convert(
     result = reshard.convert(
         src, dst, to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only,
         max_memory=max_memory, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet, fsync=fsync,
+        keep_per_rank=keep_per_rank,
     )
-    if not quiet:
+    if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
         for notice in result.notices:
             _say(f"notice: {notice}")
         _say(f"wrote {result.dst} ({result.format}, {result.tensors} tensors, "

@@ -9,19 +9,27 @@ from pathlib import Path
 
 import torch
 
-from reshard.catalog import Catalog
+from reshard.catalog import Catalog, Target
 from reshard.dtypes import parse_dtype
-from reshard.engine import Engine
+from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError
+from reshard.formats.base import Writer
+from reshard.formats.pieces import FileLayout
 from reshard.formats.registry import detect_format, format_for_destination, get_format
-from reshard.plan import full_target, make_plan
+from reshard.layout import parse_mesh
+from reshard.mesh_target import mesh_target
+from reshard.parallel import Workers, join_workers, split_files
+from reshard.placements import load_placement_plan
+from reshard.plan import Plan, full_target, make_plan
 from reshard.regions import StoredRegion
 from reshard.sizes import parse_size
 from reshard.staging import StagedOutput
 
-__all__ = ["convert", "ConvertResult", "default_destination", "source_files"]
+__all__ = ["ConvertResult", "convert", "default_destination", "source_files"]
 
 _SUFFIX = {"safetensors": ".safetensors", "torch": ".pt", "zarr": ".zarr"}
+# Formats that can hold a mesh layout, and the writer that does it.
+_MESH_FORMATS = {"dcp": "dcp", "torch": "torch-ranks", "torch-ranks": "torch-ranks", "zarr": "zarr"}
 
 
 @dataclass
@@ -36,15 +44,18 @@ class ConvertResult:
     notices: list[str] = field(default_factory=list)
 
 
-def default_destination(src: Path, to: str, *, sharded: bool = False) -> Path:
-    """A new path beside ``src`` named after the target; never ``src`` itself."""
+def default_destination(src: Path, to: str, *, sharded: bool = False, mesh_label: str | None = None) -> Path:
+    """A new path beside ``src`` named after the target (``ckpt_4x8``); never ``src`` itself."""
     stem = src.name
     for suffix in (".safetensors", ".pt", ".pth", ".bin", ".zarr"):
         stem = stem.removesuffix(suffix)
-    suffix = "" if sharded else _SUFFIX.get(to, "")
-    dst = src.with_name(f"{stem}{suffix}" if suffix else f"{stem}_{to}")
+    if mesh_label is not None:
+        dst = src.with_name(f"{stem}_{mesh_label}" + (".zarr" if to == "zarr" else ""))
+    else:
+        suffix = "" if sharded else _SUFFIX.get(to, "")
+        dst = src.with_name(f"{stem}{suffix}" if suffix else f"{stem}_{to}")
     if dst.resolve() == src.resolve():
-        dst = src.with_name(f"{stem}_converted{suffix}")
+        dst = dst.with_name(f"{stem}_converted{dst.suffix}")
     return dst
 
 
@@ -81,20 +92,26 @@ def convert(
     quiet: bool = False,
     workers: int | None = None,
     fsync: bool = False,
+    keep_per_rank: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` (format ``to``, or guessed from ``dst``).
 
     Lossless unless asked otherwise: names, dtypes and every bit of every tensor are kept;
     objects travel where the target can hold them (``ConvertResult.notices`` says what
-    could not). Peak memory is bounded by ``max_memory``, not by the checkpoint size. The
-    output appears atomically; ``fsync=True`` also makes it durable against power loss.
+    could not). With ``mesh`` (``"8"``, ``"4x8"``, ``"dp_shard=4,tp=2"``) the output is laid
+    out for that device mesh: each tensor stored as the target ranks' shards under
+    ``placements`` (``fsdp``, ``hsdp``, ``fsdp+tp`` or a PLAN.json). Peak memory is bounded
+    by ``max_memory``, not by the checkpoint size. The output appears atomically;
+    ``fsync=True`` also makes it durable against power loss. Under torchrun the ranks share
+    the work and write one output.
 
     >>> reshard.convert("ckpt/", "model.safetensors", only="model", dtype="bfloat16")
+    >>> reshard.convert("ckpt/", to="dcp", mesh="4x8")  # writes ckpt_4x8/ beside ckpt/
     """
     start = time.perf_counter()
     src = Path(src)
-    if mesh is not None or placements is not None:
-        raise UsageError("--to-mesh/--placements are not available in this version; convert without them")
+    if placements is not None and mesh is None:
+        raise UsageError("--placements needs --to-mesh")
     budget = parse_size(max_memory)
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     fmt = detect_format(src)
@@ -102,20 +119,75 @@ def convert(
     before = source_files(catalog)
     if to is None:
         to = format_for_destination(Path(dst)) if dst is not None else "dcp"
+    spec = parse_mesh(mesh) if mesh is not None else None
+    if spec is not None:
+        if to not in _MESH_FORMATS:
+            raise UsageError(f"--to {to} holds whole tensors; --to-mesh lays out dcp, torch (one file per rank) or zarr")
+        to = _MESH_FORMATS[to]
+        target = mesh_target(catalog, spec, load_placement_plan(placements, spec), dtype=parse_dtype(dtype),
+                             only=only, keep_per_rank=keep_per_rank)
+    else:
+        target = full_target(catalog, dtype=parse_dtype(dtype), only=only)
     out_fmt = get_format(to)
-    dst = Path(dst) if dst is not None else default_destination(src, to, sharded=shard_size is not None)
-    target = full_target(catalog, dtype=parse_dtype(dtype), only=only)
+    dst = Path(dst) if dst is not None else default_destination(
+        src, to, sharded=shard_size is not None, mesh_label=spec.label if spec else None)
     writer = out_fmt.writer(dst, max_shard_size=shard_size)
     files = writer.layout(target)
     plan = make_plan(catalog, files)
-    engine = Engine(budget, workers=workers, progress=not quiet, desc=f"{src.name} → {dst.name}", fsync=fsync)
-    with StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=(src,), fsync=fsync) as out:
-        stats = engine.run(plan, out.staging, writer.output_is_dir)
-        writer.finish(out.staging, target, files)
-        _check_unchanged(before)
-        out.commit()
+    group = join_workers()
+    try:
+        stats = _write(plan, writer, target, files, src, dst, before, group, budget=budget, workers=workers,
+                       progress=not quiet, overwrite=overwrite, fsync=fsync)
+    finally:
+        if group is not None:
+            group.close()
     return ConvertResult(
         src=src, dst=dst, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
         seconds=time.perf_counter() - start, kernel_bytes=stats.kernel_bytes,
-        notices=list(writer.notices(target)),
+        notices=target.notices + list(writer.notices(target)),
     )
+
+
+def _write(plan: Plan, writer: Writer, target: Target, files: list[FileLayout], src: Path, dst: Path,
+           before: dict[Path, tuple[int, int]], group: Workers | None, *, budget: int, workers: int | None,
+           progress: bool, overwrite: bool, fsync: bool) -> EngineStats:
+    """Stage, write and commit; under torchrun each rank writes its share of the files and
+    rank 0 stages, finishes and commits."""
+    rank = group.rank if group is not None else 0
+    engine = Engine(budget, workers=workers, progress=progress and rank == 0, desc=f"{src.name} → {dst.name}", fsync=fsync)
+    staged = StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=(src,), fsync=fsync)
+    if group is None:
+        with staged as out:
+            stats = engine.run(plan, out.staging, writer.output_is_dir)
+            writer.finish(out.staging, target, files)
+            _check_unchanged(before)
+            out.commit()
+        return stats
+    error: BaseException | None = None
+    stats, entered = EngineStats(), False
+    try:
+        if rank == 0:  # rank 0 owns the staging folder and the lock
+            try:
+                staged.__enter__()
+                entered = True
+            except BaseException as e:  # noqa: BLE001 - re-raised on every rank by group.check
+                error = e
+        group.check(error)
+        staging = Path(group.share(str(staged.staging)))
+        try:
+            stats = engine.run(plan.subset(split_files(files, group.world_size)[rank]), staging, writer.output_is_dir)
+        except BaseException as e:  # noqa: BLE001 - re-raised on every rank by group.check
+            error = e
+        group.check(error)
+        if rank == 0:
+            try:
+                writer.finish(staging, target, files)
+                _check_unchanged(before)
+                staged.commit()
+            except BaseException as e:  # noqa: BLE001 - re-raised on every rank by group.check
+                error = e
+        group.check(error)
+    finally:
+        if entered:
+            staged.__exit__(None, None, None)
+    return stats

@@ -18,7 +18,7 @@ from reshard.catalog import Catalog, Chunk, Target, TargetTensor, TensorEntry
 from reshard.errors import UsageError
 from reshard.formats.pieces import FileLayout, Piece
 
-__all__ = ["Source", "Plan", "select", "full_target", "make_plan", "sources_for"]
+__all__ = ["Plan", "Source", "full_target", "make_plan", "select", "sources_for"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,12 @@ class Plan:
     @property
     def total_bytes(self) -> int:
         return sum(p.nbytes for p in self.sources)
+
+    def subset(self, indices: list[int]) -> Plan:
+        """The plan for some of the files only (one rank's share under torchrun)."""
+        files = [self.files[i] for i in indices]
+        wanted = {seg for f in files for seg in f.segments if isinstance(seg, Piece)}
+        return Plan(files, {p: s for p, s in self.sources.items() if p in wanted})
 
     def pieces(self) -> Iterable[tuple[FileLayout, int, Piece]]:
         """(file, byte offset in file, piece) for every piece, in file order."""

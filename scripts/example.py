@@ -8,7 +8,6 @@ and to a torch file, and verify both against the source.
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 

@@ -12,11 +12,12 @@ import torch
 
 import reshard
 from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, TensorEntry
+from reshard.catalog import Catalog, Target, TensorEntry
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError, UsageError
 from reshard.formats import torch_ranks
 from reshard.formats.registry import detect_format
-from reshard.formats.torch_ranks import TorchRanksFormat, dtensor_shard_box, rank_files
+from reshard.formats.torch_ranks import TorchRanksFormat, rank_files
+from reshard.layout import shard_box
 from reshard.formats.torch_save import TorchSaveFormat, TorchSaveWriter, build_tree, flatten_tree
 from reshard.formats.torch_zip import DTensorRef, Record
 from reshard.plan import full_target
@@ -336,8 +337,8 @@ def test_rank_file_names_and_detection(tmp_path: Path) -> None:
         TorchRanksFormat().read(tmp_path)
     (tmp_path / ".metadata").write_bytes(b"")
     assert not TorchRanksFormat().detect(tmp_path)
-    with pytest.raises(UnsupportedFormatError, match="needs --to-mesh"):
-        TorchRanksFormat().writer(tmp_path / "out")
+    with pytest.raises(UsageError, match="need a mesh"):
+        TorchRanksFormat().writer(tmp_path / "out").layout(Target({}, {}, {}, {}))
 
 
 def test_plain_per_rank_tensors_are_not_guessed(tmp_path: Path) -> None:
@@ -351,7 +352,7 @@ def test_plain_per_rank_tensors_are_not_guessed(tmp_path: Path) -> None:
 @pytest.mark.parametrize("k", range(1, 6))
 def test_shard_boxes_follow_torch_chunk(n: int, k: int) -> None:
     pieces = list(torch.arange(n).chunk(k)) if n else []
-    boxes = [dtensor_shard_box((n, 2), (("Shard", 0),), (k,), (i,)) for i in range(k)]
+    boxes = [shard_box((n, 2), (("Shard", 0),), (k,), (i,)) for i in range(k)]
     for i, box in enumerate(boxes):
         want = pieces[i].tolist() if i < len(pieces) else []
         assert list(range(box.offsets[0], box.offsets[0] + box.sizes[0])) == want and box.sizes[1] == 2

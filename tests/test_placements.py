@@ -1,0 +1,111 @@
+"""Placement plans, replica ownership and per-rank state, without a process group (the live
+DTensor checks are in test_mesh_convert.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.boxes import Box
+from reshard.catalog import Catalog, Chunk, TensorEntry
+from reshard.errors import UsageError
+from reshard.layout import REPLICATE, distinct_boxes, local_boxes, parse_mesh, parse_placement, shard
+from reshard.mesh_target import mesh_target, per_rank_names, uneven_dims
+from reshard.placements import assign_placements, load_placement_plan, param_fqn
+
+_LLAMA = {
+    "model.tok_embeddings.weight": (64, 32),
+    "model.layers.0.attention.wq.weight": (32, 32),
+    "model.layers.0.attention.wk.weight": (16, 32),
+    "model.layers.0.attention.wv.weight": (16, 32),
+    "model.layers.0.attention.wo.weight": (32, 32),
+    "model.layers.0.feed_forward.w1.weight": (48, 32),
+    "model.layers.0.feed_forward.w2.weight": (32, 48),
+    "model.layers.0.feed_forward.w3.weight": (48, 32),
+    "model.layers.0.attention_norm.weight": (32,),
+    "model.layers.0.ffn_norm.weight": (32,),
+    "model.norm.weight": (32,),
+    "model.output.weight": (64, 32),
+    "optim.state.layers.0.attention.wo.weight.exp_avg": (32, 32),
+    "optim.state.layers.0.attention.wo.weight.step": (),
+    "extra.scale": (2,),
+}
+
+
+def test_placement_parsing() -> None:
+    assert parse_placement("Shard(1)") == shard(1) and parse_placement("S0") == shard(0)
+    assert parse_placement("Replicate()") == REPLICATE and parse_placement("r") == REPLICATE
+    with pytest.raises(UsageError):
+        parse_placement("Partial()")
+
+
+def test_presets_and_fsdp_tp_plan_for_the_training_model() -> None:
+    mesh1, mesh2 = parse_mesh("8"), parse_mesh("2x4")
+    assert load_placement_plan(None, mesh1).name == "fsdp" and load_placement_plan(None, mesh2).name == "hsdp"
+    with pytest.raises(UsageError):
+        load_placement_plan(None, parse_mesh("2x2x2"))
+    tp = assign_placements(load_placement_plan("fsdp+tp", parse_mesh("dp_shard=2,tp=2")), parse_mesh("dp_shard=2,tp=2"), _LLAMA)
+    assert tp["model.layers.0.attention.wq.weight"] == (shard(0), shard(0))  # column-wise
+    assert tp["model.layers.0.attention.wo.weight"] == (shard(0), shard(1))  # row-wise
+    assert tp["model.layers.0.feed_forward.w2.weight"] == (shard(0), shard(1))
+    assert tp["model.layers.0.ffn_norm.weight"] == (shard(0), REPLICATE)
+    # Optimizer state follows its parameter; scalars and non-parameters stay whole.
+    assert tp["optim.state.layers.0.attention.wo.weight.exp_avg"] == (shard(0), shard(1))
+    assert tp["optim.state.layers.0.attention.wo.weight.step"] == (REPLICATE, REPLICATE)
+    assert tp["extra.scale"] == (REPLICATE, REPLICATE)
+    with pytest.raises(UsageError, match="match no tensor"):  # the TP preset on a model it does not know
+        assign_placements(load_placement_plan("fsdp+tp", parse_mesh("2x2")), parse_mesh("2x2"), {"model.a.weight": (4, 4)})
+
+
+def test_param_names() -> None:
+    assert param_fqn("model.layers.0.w") == "layers.0.w"
+    assert param_fqn("optim.state.layers.0.w.exp_avg") == "layers.0.w"
+    assert param_fqn("optim.param_groups.0.lr") is None and param_fqn("extra.scale") is None
+    assert param_fqn("lm_head.weight", sectioned=False) == "lm_head.weight"
+
+
+def test_replicas_are_stored_once_and_spread_over_ranks() -> None:
+    mesh = parse_mesh("4x2")  # (Replicate, Shard(0)): 2 distinct shards, 4 copies each
+    load = [0] * 8
+    local = local_boxes((10, 3), (REPLICATE, shard(0)), mesh)
+    boxes, ranks = distinct_boxes(local, 4, load)
+    assert boxes == [Box((0, 0), (5, 3)), Box((5, 0), (5, 3))] and ranks == [0, 1]
+    boxes2, ranks2 = distinct_boxes(local, 4, load)  # the next tensor goes to ranks with less so far
+    assert boxes2 == boxes and ranks2 == [2, 3]
+    assert uneven_dims((2, 7), (shard(0),), parse_mesh("4")) == ["dim 0 (2) over dp_shard=4 leaves empty shards"]
+    assert uneven_dims((8, 7), (shard(0),), parse_mesh("4")) == []
+
+
+class _Zeros:
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = shape
+
+    def read(self, box: Box) -> torch.Tensor:
+        return torch.zeros(box.sizes)
+
+
+def _catalog(world: int | None) -> Catalog:
+    cat = Catalog("dcp", Path("src"))
+    for name, shape in {"model.w": (8, 2), "rng.rank3.state": (4,), "dataloader.position": ()}.items():
+        cat.tensors[name] = TensorEntry(name, shape, torch.float32, [Chunk(Box((0,) * len(shape), shape), _Zeros(shape))])
+    cat.objects.update({"train.step": 3, "rng_states.rank_1": [1, 2], "scheduler.last_epoch": 3})
+    if world is not None:
+        cat.attrs["source_world_size"] = world
+    return cat
+
+
+def test_per_rank_state_dropped_with_a_notice_unless_the_rank_count_is_unchanged() -> None:
+    assert per_rank_names(["train.step", "rng.rank3.state", "dataloader.pos", "model.ranking.w", "x.dp_rank_2"]) == [
+        "rng.rank3.state", "dataloader.pos", "x.dp_rank_2"]
+    plan = load_placement_plan(None, parse_mesh("4"))
+    moved = mesh_target(_catalog(3), parse_mesh("4"), plan)
+    assert set(moved.tensors) == {"model.w"} and set(moved.objects) == {"train.step", "scheduler.last_epoch"}
+    (notice,) = moved.notices
+    for name in ("rng.rank3.state", "dataloader.position", "rng_states.rank_1", "--keep-per-rank"):
+        assert name in notice
+    kept = mesh_target(_catalog(3), parse_mesh("4"), plan, keep_per_rank=True)
+    assert "rng_states.rank_1" in kept.objects and "kept per-rank state" in kept.notices[0]
+    same = mesh_target(_catalog(4), parse_mesh("4"), plan)
+    assert "rng_states.rank_1" in same.objects and not same.notices
