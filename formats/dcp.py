@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from reshard import _torch_compat
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.formats.dcp_metadata import StorageRecord, load_dcp_index
+from reshard.formats.dcp_metadata_write import ChunkRecord, TensorRecord, metadata_bytes
 from reshard.formats.pieces import FileLayout, Piece
 from reshard.formats.torch_zip import PieceRef, load_object_blob, read_torch_zip, torch_save_segments
 from reshard.regions import StoredRegion, read_exact
@@ -123,35 +122,13 @@ class DCPWriter:
         return [f for i, f in enumerate(files) if f.segments or i == 0]
 
     def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
-        # torch's own classes, so that torch's unpickler reads our .metadata as its own.
-        from torch.distributed.checkpoint.metadata import (
-            BytesStorageMetadata,
-            ChunkStorageMetadata,
-            Metadata,
-            MetadataIndex,
-            StorageMeta,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
-
-        StorageInfo = _torch_compat.dcp_storage_info_class()
-        sdm: dict[str, Any] = {}
-        storage: dict[MetadataIndex, Any] = {}
+        tensors = {}
         for t in target.tensors.values():
-            chunks = [ChunkStorageMetadata(torch.Size(b.offsets), torch.Size(b.sizes)) for b in t.boxes]
-            sdm[t.name] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), torch.Size(t.shape), chunks)
-            for i, b in enumerate(t.boxes):
-                rel, off, length = self._records[(t.name, b.offsets)]
-                storage[MetadataIndex(t.name, b.offsets, i)] = StorageInfo(rel, off, length)
-        for name in target.objects:
-            sdm[name] = BytesStorageMetadata()
-            rel, off, length = self._records[(name, ())]
-            storage[MetadataIndex(name)] = StorageInfo(rel, off, length)
-        planner_data = {name: target.nested_path(name) for name in sdm}
-        meta = Metadata(sdm, planner_data=planner_data, storage_data=storage,
-                        storage_meta=StorageMeta(), version="1.0.0")
-        with open(staging / ".metadata", "wb") as f:
-            pickle.dump(meta, f)
+            chunks = tuple(ChunkRecord(b.offsets, b.sizes, *self._records[(t.name, b.offsets)]) for b in t.boxes)
+            tensors[t.name] = TensorRecord(t.dtype, t.shape, chunks)
+        objects = {name: self._records[(name, ())] for name in target.objects}
+        planner_data = {name: target.nested_path(name) for name in (*tensors, *objects)}
+        (staging / ".metadata").write_bytes(metadata_bytes(tensors, objects, planner_data))
 
     def notices(self, target: Target) -> list[str]:
         return []

@@ -12,7 +12,7 @@ import torch
 import torch._utils
 import torch.serialization
 
-__all__ = ["rebuild_tensor_v3", "get_layout", "dcp_storage_info_class", "TORCH_DTYPES"]
+__all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "TORCH_DTYPES"]
 
 # The function torch.save names for every tensor of a "new" dtype; torch.load accepts it for
 # all dtypes, so our writer uses it uniformly.
@@ -22,13 +22,15 @@ rebuild_tensor_v3 = torch._utils._rebuild_tensor_v3
 get_layout = torch.serialization._get_layout
 
 
-def dcp_storage_info_class() -> type:
-    """DCP's per-chunk record (relative_path, offset, length, transform_descriptors), needed
-    only to write ``.metadata``; imported on demand because importing
-    torch.distributed.checkpoint costs about a second of start-up."""
-    from torch.distributed.checkpoint import filesystem
+def dtensor_local_box(shape: tuple[int, ...], mesh: object, placements: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local sizes) of this rank's piece of a DTensor, by torch's own rule
+    (DCP saves with the same function); zero sizes when this rank is outside ``mesh``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    return filesystem._StorageInfo
+    sizes, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    if len(offsets) != len(shape):
+        return (0,) * len(shape), (0,) * len(shape)
+    return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
 
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
