@@ -3,16 +3,18 @@
 torch reads ``.metadata`` with pickle, so the file must name torch's own classes
 (``torch.distributed.checkpoint.metadata.Metadata`` ...). Importing that package to build
 real instances costs one to two seconds (it pulls in all of DTensor), more than converting a
-whole small checkpoint takes. Instead we emit the same pickle opcodes torch's dataclasses
-produce (class, NEWOBJ, state dict, BUILD) from plain values; tests check that torch's own
-``FileSystemReader.read_metadata`` and ``dcp.load`` read the result as their own.
+whole small checkpoint takes. Instead the classes below mirror torch's dataclasses field for
+field; they are pickled by the C pickler with protocol 2, where each class appears exactly
+once as a ``GLOBAL module\nname\n`` opcode, and those opcodes are then renamed to torch's
+module. Tests check that torch's ``FileSystemReader.read_metadata`` and ``dcp.load`` read the
+result as their own.
 """
 
 from __future__ import annotations
 
-import io
+import enum
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,26 +25,74 @@ _META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
 
 
+class _MEM_FORMAT_ENCODING(enum.Enum):  # noqa: N801 - torch's name, renamed in the pickle
+    TORCH_CONTIGUOUS_FORMAT = 0
+
+
+@dataclass
+class ChunkStorageMetadata:
+    offsets: torch.Size
+    sizes: torch.Size
+
+
+@dataclass
+class TensorProperties:
+    dtype: torch.dtype
+
+    def __getstate__(self) -> tuple:
+        # torch's own state: (dtype, layout, requires_grad, memory format code, pin_memory)
+        return (self.dtype, torch.strided, False, _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, False)
+
+
+@dataclass
+class TensorStorageMetadata:
+    properties: TensorProperties
+    size: torch.Size
+    chunks: list[ChunkStorageMetadata]
+
+
+@dataclass
+class BytesStorageMetadata:
+    pass
+
+
+@dataclass
+class StorageMeta:
+    checkpoint_id: Any = None
+    save_id: Any = None
+    load_id: Any = None
+    modules: list[str] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
-class _Global:
-    module: str
-    name: str
+class MetadataIndex:
+    fqn: str
+    offset: torch.Size | None = None
+    index: int | None = field(hash=False, compare=False, default=None)
 
 
-@dataclass(frozen=True, eq=False)  # identity: each one is a distinct object in the pickle
-class _New:
-    """An instance of a torch class, rebuilt as torch's dataclasses pickle: NEWOBJ + BUILD."""
+@dataclass
+class Metadata:
+    state_dict_metadata: dict[str, Any]
+    planner_data: Any = None
+    storage_data: Any = None
+    storage_meta: StorageMeta | None = None
+    version: str | None = None
 
-    cls: _Global
-    state: Any
+
+@dataclass
+class _StorageInfo:
+    relative_path: str
+    offset: int
+    length: int
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
 
 
-@dataclass(frozen=True, eq=False)
-class _Call:
-    """``cls(*args)`` at load time (how an Enum member pickles)."""
-
-    cls: _Global
-    args: tuple
+_TORCH_MODULE = {c.__name__: _META for c in (_MEM_FORMAT_ENCODING, ChunkStorageMetadata, TensorProperties,
+                                             TensorStorageMetadata, BytesStorageMetadata, StorageMeta, MetadataIndex, Metadata)}
+_TORCH_MODULE["_StorageInfo"] = _FS
 
 
 @dataclass(frozen=True)
@@ -61,58 +111,29 @@ class TensorRecord:
     chunks: tuple[ChunkRecord, ...]
 
 
-class _Pickler(pickle._Pickler):  # the Python pickler: its ``save`` can be extended
-    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
-        if isinstance(obj, (_Global, _New, _Call)):
-            memo = self.memo.get(id(obj))
-            if memo is not None:
-                self.write(self.get(memo[0]))
-                return
-            if isinstance(obj, _Global):
-                self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
-            elif isinstance(obj, _Call):
-                self.save(obj.cls)
-                self.save(obj.args)
-                self.write(pickle.REDUCE)
-            else:
-                self.save(obj.cls)
-                self.write(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
-                self.memoize(obj)
-                self.save(obj.state)
-                self.write(pickle.BUILD)
-                return
-            self.memoize(obj)
-            return
-        super().save(obj, save_persistent_id)
-
-
-def _size(values: tuple[int, ...]) -> torch.Size:
-    return torch.Size(values)
+def _rename_globals(data: bytes) -> bytes:
+    for name, module in _TORCH_MODULE.items():
+        ours = f"c{__name__}\n{name}\n".encode()
+        found = data.count(ours)
+        if found > 1:  # a tensor name containing this exact text: refuse rather than guess
+            raise ValueError(f"cannot write DCP metadata: ambiguous class reference {name!r} in the pickle")
+        data = data.replace(ours, f"c{module}\n{name}\n".encode())
+    return data
 
 
 def metadata_bytes(tensors: dict[str, TensorRecord], objects: dict[str, tuple[str, int, int]],
                    planner_data: dict[str, tuple]) -> bytes:
     """The pickle of a DCP ``Metadata`` for these tensors (chunks in storage order) and byte
     objects (name -> (relpath, offset, length))."""
-    cls = {n: _Global(_META, n) for n in ("Metadata", "TensorStorageMetadata", "TensorProperties",
-                                          "ChunkStorageMetadata", "BytesStorageMetadata", "MetadataIndex", "StorageMeta")}
-    storage_info, contiguous = _Global(_FS, "_StorageInfo"), _Call(_Global(_META, "_MEM_FORMAT_ENCODING"), (0,))
     sdm: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
     for name, t in tensors.items():
-        props = _New(cls["TensorProperties"], (t.dtype, torch.strided, False, contiguous, False))
-        chunks = [_New(cls["ChunkStorageMetadata"], {"offsets": _size(c.offsets), "sizes": _size(c.sizes)}) for c in t.chunks]
-        sdm[name] = _New(cls["TensorStorageMetadata"], {"properties": props, "size": _size(t.shape), "chunks": chunks})
+        chunks = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)) for c in t.chunks]
+        sdm[name] = TensorStorageMetadata(TensorProperties(t.dtype), torch.Size(t.shape), chunks)
         for i, c in enumerate(t.chunks):
-            index = _New(cls["MetadataIndex"], {"fqn": name, "offset": _size(c.offsets), "index": i})
-            storage[index] = _New(storage_info, {"relative_path": c.relpath, "offset": c.offset, "length": c.length})
+            storage[MetadataIndex(name, torch.Size(c.offsets), i)] = _StorageInfo(c.relpath, c.offset, c.length)
     for name, (relpath, offset, length) in objects.items():
-        sdm[name] = _New(cls["BytesStorageMetadata"], {})
-        index = _New(cls["MetadataIndex"], {"fqn": name, "offset": None, "index": None})
-        storage[index] = _New(storage_info, {"relative_path": relpath, "offset": offset, "length": length})
-    storage_meta = _New(cls["StorageMeta"], {"checkpoint_id": None, "save_id": None, "load_id": None, "modules": []})
-    meta = _New(cls["Metadata"], {"state_dict_metadata": sdm, "planner_data": planner_data, "storage_data": storage,
-                                  "storage_meta": storage_meta, "version": "1.0.0"})
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=4).dump(meta)
-    return buf.getvalue()
+        sdm[name] = BytesStorageMetadata()
+        storage[MetadataIndex(name)] = _StorageInfo(relpath, offset, length)
+    meta = Metadata(sdm, planner_data=planner_data, storage_data=storage, storage_meta=StorageMeta(), version="1.0.0")
+    return _rename_globals(pickle.dumps(meta, protocol=2))
