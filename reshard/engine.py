@@ -31,7 +31,7 @@ from tqdm import tqdm
 from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.catalog import ChunkData
 from reshard.errors import CorruptCheckpointError
-from reshard.formats.pieces import Piece
+from reshard.formats.pieces import FileLayout, Piece
 from reshard.plan import Plan, Source
 from reshard.regions import StoredRegion, read_exact
 
@@ -124,6 +124,24 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
+def _write_literals(fd: int, f: FileLayout) -> None:
+    """The file's literal bytes (headers, pickles), adjacent ones joined into one write."""
+    run: list[bytes] = []
+    start = at = 0
+    for seg in f.segments:
+        if isinstance(seg, Piece):
+            if run:
+                _pwrite_all(fd, b"".join(run), start)
+                run = []
+            at += seg.nbytes
+            start = at
+        else:
+            run.append(seg)
+            at += len(seg)
+    if run:
+        _pwrite_all(fd, b"".join(run), start)
+
+
 class Engine:
     def __init__(self, max_memory: int, *, workers: int | None = None, progress: bool = True,
                  desc: str = "writing", fsync: bool = False) -> None:
@@ -198,9 +216,7 @@ class Engine:
                         if e.errno == errno.ENOSPC:
                             raise
                         os.ftruncate(fd, f.size)
-                for off, seg in zip(f.offsets(), f.segments):
-                    if isinstance(seg, bytes):
-                        _pwrite_all(fd, seg, off)
+                _write_literals(fd, f)
             work = [(out_fds[f.relpath], off, p) for f, off, p in plan.pieces()]
             # Big pieces first, so the pool does not end on one long tail.
             work.sort(key=lambda w: -w[2].nbytes)
