@@ -18,7 +18,6 @@ import io
 import os
 import pickle
 import struct
-import zipfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -29,9 +28,10 @@ from typing import Any
 import torch
 
 from reshard.formats.pieces import Piece, Segment, segment_size
+from reshard.formats.zip_index import ZipIndex
 from reshard import _torch_compat
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.regions import StoredRegion, read_exact
+from reshard.regions import StoredRegion
 from reshard.safe_pickle import safe_loads
 
 __all__ = ["read_torch_zip", "zip_segments", "torch_pickle", "DTensorRef", "PieceRef", "Record"]
@@ -47,34 +47,6 @@ _LEGACY_STORAGE_DTYPES = {
 
 
 # ---------------------------------------------------------------------------------- reading
-
-
-class _FileSlice(io.RawIOBase):
-    """A read-only view of bytes [start, start+length) of a file, for zipfile."""
-
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self._fd, self._start, self._len, self._pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._len}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos) if n else b""
-        b[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 @dataclass
@@ -157,55 +129,30 @@ class _TorchZipReader:
     def __init__(self, path: Path, fd: int, start: int, length: int) -> None:
         self.path, self.fd, self.start, self.length = path, fd, start, length
         self.where = f"{path}" if start == 0 else f"{path} (bytes {start}..{start + length})"
-        try:
-            self.zip = zipfile.ZipFile(_FileSlice(fd, start, length))
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-            raise CorruptCheckpointError(
-                f"{self.where}: not a torch.save zip archive ({e}); legacy (pre-1.6) files are "
-                "not supported: re-save with a current torch"
-            ) from e
-        names = self.zip.namelist()
-        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+        self.zip = ZipIndex(fd, start, length, self.where, path)
+        pkl = [n for n in self.zip.entries if n.endswith("/data.pkl") or n == "data.pkl"]
         if len(pkl) != 1:
             raise CorruptCheckpointError(f"{self.where}: expected one data.pkl record, found {len(pkl)}")
         self.prefix = pkl[0][: -len("data.pkl")]
-        self.infos = {i.filename: i for i in self.zip.infolist()}
-        order = self.infos.get(self.prefix + "byteorder")
-        if order is not None and self._record_bytes(order).strip() not in (b"little", b""):
+        order = self.zip.entries.get(self.prefix + "byteorder")
+        if order is not None and self.zip.read(order).strip() not in (b"little", b""):
             raise UnsupportedFormatError(f"{self.where}: big-endian torch files are not supported")
-
-    def _data_start(self, info: zipfile.ZipInfo) -> int:
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise UnsupportedFormatError(f"{self.where}: record {info.filename} is compressed")
-        head = read_exact(self.fd, 30, self.start + info.header_offset, self.path)
-        if head[:4] != b"PK\x03\x04":
-            raise CorruptCheckpointError(f"{self.where}: bad zip local header for {info.filename}")
-        name_len, extra_len = struct.unpack("<HH", head[26:30])
-        data = info.header_offset + 30 + name_len + extra_len
-        if data + info.file_size > self.length:
-            raise CorruptCheckpointError(
-                f"{self.where}: record {info.filename} runs past the end of the data (truncated?)"
-            )
-        return data
-
-    def _record_bytes(self, info: zipfile.ZipInfo) -> bytes:
-        return bytes(read_exact(self.fd, info.file_size, self.start + self._data_start(info), self.path))
 
     def storage(self, pid: Any) -> tuple[str, torch.dtype | None, int, int]:
         """persistent_load: ('storage', type, key, location, numel) → (key, dtype, byte offset, numel)."""
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CorruptCheckpointError(f"{self.where}: unexpected persistent id {pid!r}")
         _, stype, key, _location, numel = pid
-        info = self.infos.get(f"{self.prefix}data/{key}")
+        info = self.zip.entries.get(f"{self.prefix}data/{key}")
         if info is None:
             raise CorruptCheckpointError(f"{self.where}: storage record data/{key} is missing")
         dtype = stype  # the allow-list maps storage class names to dtypes (None = untyped bytes)
         item = 1 if dtype is None else dtype.itemsize
-        if not isinstance(numel, int) or numel < 0 or numel * item > info.file_size:
+        if not isinstance(numel, int) or numel < 0 or numel * item > info.size:
             raise CorruptCheckpointError(
-                f"{self.where}: storage data/{key} claims {numel} elements but holds {info.file_size} bytes"
+                f"{self.where}: storage data/{key} claims {numel} elements but holds {info.size} bytes"
             )
-        return (str(key), dtype, self.start + self._data_start(info), numel)
+        return (str(key), dtype, self.start + self.zip.data_start(info), numel)
 
     def region(self, storage: tuple, offset: int, size: Any, stride: Any, dtype: torch.dtype) -> StoredRegion:
         _key, sdtype, base, numel = storage
@@ -247,7 +194,7 @@ class _TorchZipReader:
         }
 
     def load(self) -> Any:
-        data = self._record_bytes(self.infos[self.prefix + "data.pkl"])
+        data = self.zip.read(self.zip.entries[self.prefix + "data.pkl"])
         return safe_loads(data, self.globals(), origin=self.where, persistent_load=self.storage)
 
 
