@@ -18,9 +18,12 @@ __all__ = ["get_format", "detect_format", "FORMAT_NAMES", "format_for_destinatio
 # torch files is tried before a single torch file.
 _FORMATS: dict[str, str] = {
     "dcp": "reshard.formats.dcp:DCPFormat",
+    "zarr": "reshard.formats.zarr:ZarrFormat",  # a folder with zarr.json at its root
     "safetensors": "reshard.formats.safetensors:SafetensorsFormat",
     "torch-ranks": "reshard.formats.torch_ranks:TorchRanksFormat",
     "torch": "reshard.formats.torch_save:TorchSaveFormat",
+    # A write target only (an HF model folder); HF folders are detected as safetensors.
+    "hf": "reshard.formats.hf:HFFormat",
 }
 FORMAT_NAMES = tuple(_FORMATS)
 _cache: dict[str, Format] = {}
@@ -45,7 +48,7 @@ def detect_format(path: Path) -> Format:
             return fmt
     raise UnsupportedFormatError(
         f"{path}: not a checkpoint reshard recognizes (expected a DCP folder with .metadata, "
-        "*.safetensors or a folder of them, a torch .pt/.pth/.bin file, or a folder of per-rank torch files)"
+        "*.safetensors or a folder of them, a torch .pt/.pth/.bin file, a folder of per-rank torch files, or a zarr v3 store with zarr.json)"
     )
 
 

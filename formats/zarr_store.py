@@ -1,0 +1,180 @@
+"""Where a zarr store's keys live: a local folder, or any fsspec URL (``memory://``,
+``file://``, ``s3://`` with s3fs installed...).
+
+A zarr v3 store is a flat key-value space (``zarr.json``, ``name/zarr.json``,
+``name/c/0/1``); these two small classes give the reader and the remote writer that view and
+nothing more. Local stores keep real paths, so uncompressed chunks become ``StoredRegion``s the
+engine reads with ``preadv`` and kernel-copies; remote stores fetch bytes (ranges where it can)
+through fsspec, the same layer zarr-python's ``FsspecStore`` sits on, with the same URLs and
+credentials.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from reshard.errors import CheckpointNotFoundError
+
+__all__ = ["is_url", "LocalStore", "RemoteStore", "Store", "open_store", "ensure_open_files"]
+
+_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
+
+
+def is_url(location: object) -> bool:
+    """True for ``scheme://...`` strings (not for Paths, which normalise ``//`` away)."""
+    return isinstance(location, str) and bool(_URL.match(location))
+
+
+class LocalStore:
+    """A store in a local folder; keys are relative paths."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.where = str(self.root)
+
+    def local_path(self, key: str) -> Path:
+        return self.root / key
+
+    def size(self, key: str) -> int | None:
+        try:
+            return os.stat(self.root / key).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def get(self, key: str, start: int = 0, length: int | None = None) -> bytes | None:
+        try:
+            with open(self.root / key, "rb") as f:
+                f.seek(start)
+                return f.read() if length is None else f.read(length)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+
+    def open_write(self, key: str) -> BinaryIO:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "wb")
+
+    def children(self, prefix: str) -> list[str]:
+        """Sub-folder names under ``prefix`` (candidate child nodes of a group)."""
+        try:
+            return sorted(e.name for e in os.scandir(self.root / prefix) if e.is_dir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def listing(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` (relative to it) with its size: one walk per array, so
+        missing chunks (which read as fill_value) cost no failed opens."""
+        base = self.root / prefix
+        out = {}
+        for folder, _, files in os.walk(base):
+            rel = os.path.relpath(folder, base)
+            for name in files:
+                key = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")
+                out[key] = os.stat(os.path.join(folder, name)).st_size
+        return out
+
+
+class RemoteStore:
+    """A store behind an fsspec URL. Nothing is staged: writers put chunks first and the
+    root ``zarr.json`` last, so an interrupted write is not mistaken for a store."""
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        import fsspec
+
+        self.url = url
+        self.where = url
+        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        self.root = root.rstrip("/")
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def local_path(self, key: str) -> None:
+        return None
+
+    def size(self, key: str) -> int | None:
+        try:
+            return int(self.fs.size(self._path(key)))
+        except FileNotFoundError:
+            return None
+
+    def get(self, key: str, start: int = 0, length: int | None = None) -> bytes | None:
+        try:
+            end = None if length is None else start + length
+            return self.fs.cat_file(self._path(key), start=start or None, end=end)
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: str, data: bytes) -> None:
+        self.fs.pipe_file(self._path(key), data)
+
+    def open_write(self, key: str) -> BinaryIO:
+        return self.fs.open(self._path(key), "wb")
+
+    def children(self, prefix: str) -> list[str]:
+        try:
+            entries = self.fs.ls(self._path(prefix), detail=True)
+        except FileNotFoundError:
+            return []
+        return sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+
+    def listing(self, prefix: str) -> dict[str, int]:
+        base = self._path(prefix).strip("/") + "/"
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {path.strip("/")[len(base):]: int(info.get("size") or 0)
+                for path, info in found.items() if path.strip("/").startswith(base)}
+
+    def exists(self) -> bool:
+        return bool(self.fs.exists(self.root))
+
+    def remove(self) -> None:
+        """Delete the store, its root ``zarr.json`` first: half-deleted is never a store."""
+        if self.size("zarr.json") is not None:
+            self.fs.rm(self._path("zarr.json"))
+        if self.fs.exists(self.root):
+            self.fs.rm(self.root, recursive=True)
+
+
+Store = LocalStore | RemoteStore
+
+
+def open_store(location: str | os.PathLike) -> Store:
+    """The store at a local path or URL; a ``file://`` URL is a local folder."""
+    if is_url(location):
+        if str(location).startswith("file://"):
+            return LocalStore(Path(str(location)[len("file://"):]))
+        return RemoteStore(str(location))
+    path = Path(location)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such file or directory")
+    return LocalStore(path)
+
+
+def ensure_open_files(n: int) -> None:
+    """Raise the soft open-file limit towards the hard one when ``n`` files may be open at once.
+
+    The engine holds every output file and every source file open while it runs, and a zarr
+    store is one file per chunk: a store of a 7B model with optimizer state passes the common
+    soft limit of 1024. Raising the soft limit up to the hard one is what the limit is for."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX: nothing to raise
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = n + 256  # the interpreter's own files, sockets of a process group...
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+        if new > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))

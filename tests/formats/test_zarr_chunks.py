@@ -1,0 +1,102 @@
+"""Stores reshard did not write: zarr-python's (zstd, nested groups, missing chunks,
+fill values) and tensorstore's (bfloat16, transpose, big-endian, gzip, crc32c); hostile
+compressed chunks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import reshard
+from reshard.boxes import Box, full_box
+from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.formats.zarr import ZarrFormat
+
+zarr = pytest.importorskip("zarr")
+ts = pytest.importorskip("tensorstore")
+
+
+def _full(catalog: reshard.Catalog, name: str) -> torch.Tensor:
+    entry = catalog.tensors[name]
+    out = torch.empty(entry.shape, dtype=entry.dtype)
+    for c in entry.chunks:
+        out[c.box.as_slices()] = c.data.read(full_box(c.box.sizes))
+    return out
+
+
+def test_reads_a_zarr_python_store(tmp_path: Path) -> None:
+    root = zarr.open_group(tmp_path / "zp.zarr", mode="w")
+    w = np.arange(70, dtype=np.float32).reshape(7, 10)
+    a = root.create_group("model").create_group("layers.0").create_array("w", shape=(7, 10), chunks=(3, 4), dtype="float32")
+    a[...] = w  # zstd, zarr-python's default compressor
+    z = root.create_array("zeros", shape=(5,), chunks=(2,), dtype="int64", fill_value=0)
+    z[...] = 0  # all fill: zarr-python writes no chunk at all
+    f = root.create_array("filled", shape=(4,), chunks=(2,), dtype="int32", fill_value=7)
+    f[:2] = [1, 2]  # the second chunk is never written and reads as 7
+    root.attrs["note"] = "kept"
+    catalog = ZarrFormat().read(tmp_path / "zp.zarr")
+    assert set(catalog.tensors) == {"model.layers.0.w", "zeros", "filled"}
+    assert catalog.paths["model.layers.0.w"] == ("model", "layers.0", "w")  # dots in a node name
+    assert torch.equal(_full(catalog, "model.layers.0.w"), torch.from_numpy(w))
+    assert torch.equal(_full(catalog, "zeros"), torch.zeros(5, dtype=torch.int64))
+    assert torch.equal(_full(catalog, "filled"), torch.tensor([1, 2, 7, 7], dtype=torch.int32))
+    assert catalog.attrs["zarr_attributes"] == {"note": "kept"}
+    # a sub-box that crosses chunks, through a real conversion
+    reshard.convert(tmp_path / "zp.zarr", tmp_path / "out.safetensors", quiet=True)
+    from safetensors.torch import load_file
+
+    assert np.array_equal(load_file(tmp_path / "out.safetensors")["model.layers.0.w"].numpy(), w)
+
+
+def test_reads_tensorstore_codecs(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(1)
+    bf = torch.randn(6, 5, generator=gen).to(torch.bfloat16)
+    c64 = torch.randn(4, 3, dtype=torch.complex64, generator=gen)
+    cases = {
+        "bf": (bf, [{"name": "transpose", "configuration": {"order": [1, 0]}},
+                    {"name": "bytes", "configuration": {"endian": "big"}}, {"name": "gzip"}, {"name": "crc32c"}]),
+        "c": (c64, [{"name": "bytes", "configuration": {"endian": "big"}}, {"name": "blosc"}]),
+        "i": (torch.arange(9, dtype=torch.int32), [{"name": "bytes", "configuration": {"endian": "little"}},
+                                                    {"name": "zstd"}]),
+    }
+    for name, (t, codecs) in cases.items():
+        arr = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "t.zarr" / name)},
+                       "metadata": {"shape": list(t.shape), "data_type": str(t.dtype).removeprefix("torch."),
+                                    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [4] + list(t.shape[1:])}},
+                                    "codecs": codecs}}, create=True).result()
+        arr[...] = t.view(torch.int16).numpy().view(arr.dtype.numpy_dtype) if t.dtype == torch.bfloat16 else t.numpy()
+    (tmp_path / "t.zarr" / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group"}))
+    catalog = ZarrFormat().read(tmp_path / "t.zarr")
+    for name, (t, _) in cases.items():
+        got = _full(catalog, name)
+        assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
+        chunk = catalog.tensors[name].chunks[-1]  # a sub-box of a decoded edge chunk
+        part = chunk.data.read(Box((0,) * t.dim(), (1,) + chunk.box.sizes[1:]))
+        assert torch.equal(part.view(torch.uint8), t[chunk.box.offsets[0]:chunk.box.offsets[0] + 1].view(torch.uint8))
+
+
+def test_hostile_compressed_chunks(tmp_path: Path) -> None:
+    torch.save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4)}, tmp_path / "src.pt")
+    store = tmp_path / "z.zarr"
+    reshard.convert(tmp_path / "src.pt", store, compress=True, quiet=True)
+    chunk = store / "w" / "c" / "0" / "0"
+    good = chunk.read_bytes()
+    chunk.write_bytes(good[: len(good) // 2])  # truncated zstd frame
+    catalog = ZarrFormat().read(store)  # metadata is fine; the damage shows when read
+    with pytest.raises(CorruptCheckpointError, match=r"w/c/0/0: zstd decoding failed"):
+        _full(catalog, "w")
+    import numcodecs
+
+    chunk.write_bytes(numcodecs.Zstd().encode(bytes(40)))  # a valid frame of the wrong size
+    with pytest.raises(CorruptCheckpointError, match="zstd frame holds 40 bytes, a chunk has 48"):
+        _full(ZarrFormat().read(store), "w")
+    meta_path = store / "w" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["codecs"] = [{"name": "sharding_indexed", "configuration": {}}]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(UnsupportedFormatError, match="sharding_indexed"):
+        ZarrFormat().read(store)
