@@ -18,6 +18,7 @@ import torch
 from reshard import _torch_compat
 from reshard.boxes import Box, tiles_exactly
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from reshard.formats.torch_zip import bytearray_from_data
 from reshard.safe_pickle import safe_loads
 
 __all__ = ["StorageRecord", "DCPIndex", "load_dcp_index"]
@@ -32,7 +33,7 @@ class _Record:
         if isinstance(state, tuple) and len(state) == 2 and all(isinstance(x, (dict, type(None))) for x in state):
             state = {**(state[0] or {}), **(state[1] or {})}  # (__dict__, __slots__) state
         if not isinstance(state, dict):
-            raise CorruptCheckpointError(f"unexpected state for {type(self).__name__}")
+            raise ValueError(f"unexpected state for {type(self).__name__}")  # safe_loads adds the file name
         self.__dict__.update({k: v for k, v in state.items() if isinstance(k, str)})
 
 
@@ -65,7 +66,7 @@ class _TensorProperties(_Record):
 
 def _memory_format_code(value: Any) -> int:
     if not isinstance(value, int):
-        raise CorruptCheckpointError(f"memory format code {value!r} is not an integer")
+        raise ValueError(f"memory format code {value!r} is not an integer")  # safe_loads adds the file name
     return value
 
 
@@ -82,6 +83,7 @@ _GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): type("StorageInfo", (_Record,), {}),
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _torch_compat.get_layout,
+    ("builtins", "bytearray"): bytearray_from_data,  # not PLAIN_GLOBALS' plain bytearray(n)
     ("pathlib", "PosixPath"): __import__("pathlib").PurePosixPath,
     ("pathlib", "WindowsPath"): __import__("pathlib").PureWindowsPath,
     ("pathlib", "PurePosixPath"): __import__("pathlib").PurePosixPath,

@@ -86,13 +86,24 @@ class Header:
     tensors: list[HeaderTensor]  # in file order
 
 
+def _unicode(path: Path, s: str) -> str:
+    """``s`` if it is valid Unicode text. Python's JSON decoder lets ``"\\ud800"`` escapes
+    through as lone surrogates, which no UTF-8 writer can encode later; serde (the Rust core)
+    rejects them as invalid JSON, and so do we."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CorruptCheckpointError(f"{path}: header is not valid JSON (lone surrogate escape in {s!r})") from None
+    return s
+
+
 def _no_duplicates(path: Path):
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in pairs:
             if k in out:
                 raise CorruptCheckpointError(f"{path}: header names {k!r} twice")
-            out[k] = v
+            out[_unicode(path, k)] = v
         return out
 
     return hook
@@ -130,6 +141,7 @@ def _metadata(path: Path, value: Any) -> dict[str, str]:
     for k, v in value.items():
         if not isinstance(v, str):
             raise CorruptCheckpointError(f"{path}: __metadata__ value for {k!r} must be a string, not {type(v).__name__}")
+        _unicode(path, v)
     return value
 
 

@@ -16,6 +16,7 @@ process crash, not a power cut, is the risk.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import uuid
@@ -23,6 +24,7 @@ from pathlib import Path
 from types import TracebackType
 
 from reshard.errors import OutputExistsError, UsageError
+from reshard.manifest import write_manifest
 
 __all__ = ["StagedOutput"]
 
@@ -49,13 +51,22 @@ def _pid_of(name: str) -> int | None:
     return int(tail[-2]) if len(tail) == 3 and tail[-2].isdigit() else None
 
 
+def _pid_in(fd: int) -> int:
+    try:
+        text = os.pread(fd, 32, 0).decode().strip()
+    except (OSError, UnicodeDecodeError):
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
 class StagedOutput:
     """``with StagedOutput(dst, is_dir) as out: write under out.staging; out.commit()``."""
 
     def __init__(self, dst: Path, *, is_dir: bool, overwrite: bool = False, sources: tuple[Path, ...] = (),
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, manifest: bool = True) -> None:
         self.dst = Path(dst)
         self.fsync = fsync
+        self.manifest = manifest  # directory outputs get .reshard-manifest.json (reshard.manifest)
         self.is_dir = is_dir
         self.overwrite = overwrite
         for src in sources:
@@ -65,6 +76,7 @@ class StagedOutput:
         self.lock = self.dst.with_name(f".{self.dst.name}.reshard-lock")
         self.staging = self.dst.with_name(f".{self.dst.name}.reshard-tmp-{tag}")
         self._committed = False
+        self._lock_fd: int | None = None
 
     def __enter__(self) -> StagedOutput:
         parent = self.dst.parent
@@ -73,30 +85,58 @@ class StagedOutput:
         if (self.dst.exists() or self.dst.is_symlink()) and not self.overwrite:
             raise OutputExistsError(f"{self.dst} already exists; pass --overwrite to replace it")
         self._take_lock()
-        self._sweep_stale()
-        if self.is_dir:
-            self.staging.mkdir()
+        try:
+            self._sweep_stale()
+            # Again under the lock: another conversion may have committed since the check above.
+            if (self.dst.exists() or self.dst.is_symlink()) and not self.overwrite:
+                raise OutputExistsError(f"{self.dst} already exists (another conversion just wrote it); "
+                                        "pass --overwrite to replace it")
+            if self.is_dir:
+                self.staging.mkdir()
+        except BaseException:
+            self._release_lock()
+            raise
         return self
 
+    def _busy(self, holder: int) -> OutputExistsError:
+        return OutputExistsError(
+            f"{self.dst}: another conversion (pid {holder or '?'}) is writing here; wait for it or pick another "
+            f"output (if none is running, delete {self.lock})")
+
     def _take_lock(self) -> None:
-        for _ in range(2):
+        """An flock on the lock file, which the kernel drops when its holder dies (kill -9
+        too): of two conversions starting together exactly one wins, and a dead one never
+        blocks the next. Creating the file and writing the pid into it are not one step, so
+        the pid is only for messages, and for a live holder that does not flock."""
+        for _ in range(5):
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fd = os.open(self.lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                try:
-                    holder = int(self.lock.read_text().strip() or "0")
-                except (OSError, ValueError):
-                    holder = 0
-                if holder and _alive(holder):
-                    raise OutputExistsError(
-                        f"{self.dst}: another conversion (pid {holder}) is writing here; wait for it or pick another output"
-                    ) from None
-                self.lock.unlink(missing_ok=True)  # left by a process that died
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _pid_in(fd)
+                os.close(fd)
+                raise self._busy(holder) from None
+            try:  # a finishing holder unlinks the file: then we hold a lock on nothing; retry
+                current = os.path.samestat(os.fstat(fd), os.stat(self.lock))
+            except FileNotFoundError:
+                current = False
+            holder = _pid_in(fd) if current else 0
+            if not current or (holder and holder != os.getpid() and _alive(holder)):
+                os.close(fd)
+                if current:
+                    raise self._busy(holder)
                 continue
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            self._lock_fd = fd
             return
-        raise OutputExistsError(f"{self.dst}: could not take the lock {self.lock}")
+        raise OutputExistsError(f"{self.dst}: could not take the lock {self.lock}; retry")
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            self.lock.unlink(missing_ok=True)  # while still holding it, so no one locks a doomed file
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _sweep_stale(self) -> None:
         for p in self.dst.parent.glob(f".{self.dst.name}.reshard-*"):
@@ -104,14 +144,24 @@ class StagedOutput:
                 continue
             pid = _pid_of(p.name)
             if pid is not None and not _alive(pid):
-                _remove(p)
+                if ".reshard-old-" in p.name and not (self.dst.exists() or self.dst.is_symlink()):
+                    os.rename(p, self.dst)  # killed between commit's two renames: the old output is whole
+                else:
+                    _remove(p)
 
     def commit(self) -> None:
         """Move the finished staging into place; an existing output (with --overwrite) is
         replaced only after the new one is complete."""
+        if self.is_dir and self.manifest:
+            write_manifest(self.staging)
         if self.fsync and self.is_dir:
             _fsync_dir(self.staging)
-        if self.dst.exists() or self.dst.is_symlink():
+        exists = self.dst.exists() or self.dst.is_symlink()
+        if exists and not self.overwrite:
+            raise OutputExistsError(f"{self.dst} appeared while converting; pass --overwrite to replace it")
+        if exists and not self.is_dir and not self.dst.is_dir():
+            os.replace(self.staging, self.dst)  # one atomic step for a file over a file
+        elif exists:
             old = self.dst.with_name(f".{self.dst.name}.reshard-old-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             os.rename(self.dst, old)
             os.rename(self.staging, self.dst)
@@ -125,7 +175,7 @@ class StagedOutput:
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if not self._committed:
             _remove(self.staging)
-        self.lock.unlink(missing_ok=True)
+        self._release_lock()
 
 
 def _fsync_dir(path: Path) -> None:

@@ -23,13 +23,13 @@ from reshard.formats.registry import detect_format
 from reshard.plan import sources_for
 from reshard.sizes import parse_size
 
-__all__ = ["verify", "VerifyResult", "Difference"]
+__all__ = ["verify", "verify_manifest", "VerifyResult", "Difference"]
 
 
 @dataclass(frozen=True)
 class Difference:
     name: str
-    kind: str  # "only in A", "only in B", "dtype", "shape", "values", "object"
+    kind: str  # "only in A", "only in B", "dtype", "shape", "values", "object"; quick: "size", "checksum", "missing", "extra"
     detail: str
 
 
@@ -120,6 +120,20 @@ def verify(
     if only_objects:
         result.notes.append(f"{len(only_objects)} non-tensor objects exist on one side only (not compared): "
                             + ", ".join(sorted(only_objects)[:5]) + (" ..." if len(only_objects) > 5 else ""))
+    return result
+
+
+def verify_manifest(folder: str | os.PathLike) -> VerifyResult:
+    """``verify --quick``: check a folder against the manifest reshard wrote into it (sizes and
+    SHA-256 of every file), without the source and without parsing any tensor. Each file whose
+    bytes changed, that is missing or that was added is one Difference named by its path;
+    no manifest, or a malformed one, raises a ReshardError."""
+    from reshard.manifest import MANIFEST_NAME, check_manifest
+
+    folder = Path(folder)
+    checked, problems = check_manifest(folder)
+    result = VerifyResult(folder, folder / MANIFEST_NAME, compared=checked)
+    result.differences = [Difference(p.relpath, p.kind, p.detail) for p in problems]
     return result
 
 

@@ -1,0 +1,327 @@
+"""Fuzzing the two parsers that take bytes from strangers first: the safetensors header and
+the DCP ``.metadata`` loader.
+
+The contract under test: whatever the bytes, only a ReshardError escapes, its message names
+the file, and no code runs. Where an independent oracle exists the result must also be
+*right*: a safetensors header is accepted exactly when the real library's Rust core accepts
+it (differential fuzzing), and DCP chunks are accepted exactly when they cover the tensor
+once (checked by counting elements).
+
+Short in CI (``RESHARD_FUZZ_EXAMPLES``, default 200 examples per target); longer by hand:
+``RESHARD_FUZZ_EXAMPLES=20000 python -m pytest -q tests/test_fuzz.py`` (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint import metadata as dcpm
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+from reshard.errors import ReshardError, UnsafeCheckpointError
+from reshard.formats.dcp_metadata import load_dcp_index
+from reshard.formats.safetensors_header import read_header
+
+FUZZ = settings(
+    max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", "200")),
+    deadline=None,
+    database=None,  # nothing written into the working tree; failures print their reproducer
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@contextmanager
+def _scratch() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="reshard-fuzz-") as d:
+        yield Path(d)
+
+
+_SCRATCH = Path(tempfile.mkdtemp(prefix="reshard-fuzz-"))  # reused by every example of a session
+
+
+def _outcome(call, path: Path) -> BaseException | None:
+    """None if ``call`` accepted the input, the ReshardError if it refused it; anything else
+    is a bug and propagates. Every refusal must name the file."""
+    try:
+        call()
+    except ReshardError as e:
+        assert str(e).startswith(str(path)), f"error does not name the file: {e}"
+        return e
+    return None
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+_CODES = ["F32", "F16", "BF16", "F64", "I64", "I32", "I8", "U8", "BOOL"]
+_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _st_file(header: bytes | dict, data: bytes, length: int | None = None) -> Path:
+    body = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path = _SCRATCH / "fuzz.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body) if length is None else length) + body + data)
+    return path
+
+
+def _rust_accepts(path: Path) -> bool:
+    try:
+        with safe_open(str(path), "pt") as f:
+            f.keys()
+    except Exception:  # noqa: BLE001 - any refusal by the reference implementation
+        return False
+    return True
+
+
+def _check_accepted_header(path: Path) -> None:
+    """What acceptance promises: tensors tile the data exactly, each sized shape x dtype."""
+    header = read_header(path)
+    at = 0
+    for t in header.tensors:
+        assert t.begin == at and t.end - t.begin == torch.Size(t.shape).numel() * t.dtype.itemsize
+        at = t.end
+    assert header.data_start + at == path.stat().st_size
+
+
+@FUZZ
+@given(st.binary(max_size=256), st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+def test_header_random_bytes(body: bytes, length: int | None) -> None:
+    path = _st_file(body, b"", length)
+    if _outcome(lambda: read_header(path), path) is None:
+        _check_accepted_header(path)
+
+
+def _tensor_entries() -> st.SearchStrategy:
+    dims = st.lists(st.one_of(st.integers(0, 5), st.integers(-2, 2**64 + 2)), max_size=3)
+    offsets = st.lists(st.integers(-1, 80), min_size=2, max_size=2)
+    code = st.one_of(st.sampled_from(_CODES), st.sampled_from(["F128", "f32", "", "I4"]))
+    return st.fixed_dictionaries({"dtype": code, "shape": dims, "data_offsets": offsets})
+
+
+@st.composite
+def _headers(draw) -> tuple[dict, int]:
+    """Mostly valid headers (tensors laid back to back) with a few fields perturbed."""
+    names = draw(st.lists(st.text(alphabet="abc.\u00e9\ud800", min_size=0, max_size=3), max_size=4, unique=True))
+    header: dict = {}
+    at = 0
+    for name in names:
+        code = draw(st.sampled_from(_CODES))
+        shape = draw(st.lists(st.integers(0, 4), max_size=3))
+        size = torch.Size(shape).numel() * _BYTES[code]
+        header[name] = {"dtype": code, "shape": shape, "data_offsets": [at, at + size]}
+        at += size
+    if names and draw(st.booleans()):
+        header[draw(st.sampled_from(names))] = draw(_tensor_entries())
+    if draw(st.booleans()):
+        header["__metadata__"] = draw(st.one_of(
+            st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
+            st.dictionaries(st.text(max_size=3), st.integers(), min_size=1, max_size=1), st.none(), st.integers()))
+    return header, max(0, at + draw(st.sampled_from([0, 0, 0, -1, 1, 3])))
+
+
+@FUZZ
+@given(_headers())
+def test_header_agrees_with_the_rust_core(case: tuple[dict, int]) -> None:
+    """Differential: our validation accepts exactly what safetensors' own reader accepts."""
+    header, data_len = case
+    path = _st_file(json.dumps(header).encode(), bytes(data_len))
+    ours = _outcome(lambda: read_header(path), path)
+    assert (ours is None) == _rust_accepts(path), f"ours: {ours!r}, header {header}, {data_len} data bytes"
+    if ours is None:
+        _check_accepted_header(path)
+
+
+def _valid_file() -> bytes:
+    path = _SCRATCH / "valid.safetensors"
+    save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3, dtype=torch.bfloat16),
+               "c": torch.tensor([1, 2], dtype=torch.int64)}, str(path), metadata={"k": "v"})
+    return path.read_bytes()
+
+
+_VALID = _valid_file()
+
+
+@st.composite
+def _mutations(draw, original: bytes) -> bytes:
+    data = bytearray(original)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
+        at = draw(st.integers(0, max(0, len(data) - 1)))
+        if kind == "flip" and data:
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "set" and data:
+            data[at] = draw(st.sampled_from(b'{}[]",:0123456789-eE. \\u'))
+        elif kind == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=4))
+        elif kind == "delete":
+            del data[at: at + draw(st.integers(1, 4))]
+        else:
+            del data[at:]
+    return bytes(data)
+
+
+@FUZZ
+@given(_mutations(_VALID))
+def test_header_mutated_file(data: bytes) -> None:
+    path = _SCRATCH / "mutated.safetensors"
+    path.write_bytes(data)
+    ours = _outcome(lambda: read_header(path), path)
+    if ours is None:
+        _check_accepted_header(path)
+    if "twice" not in str(ours):  # a name given twice: refused by us, last-one-wins in Rust
+        assert (ours is None) == _rust_accepts(path), f"ours: {ours!r}"
+
+
+# ----------------------------------------------------------------------------- DCP metadata
+
+
+def _metadata(shape: list[int], chunks: list[tuple[list[int], list[int]]], relpaths: list[str]) -> bytes:
+    """A real torch ``Metadata`` for one tensor ``w`` and one byte object, pickled as torch's
+    FileSystemWriter pickles it."""
+    props = dcpm.TensorProperties(dtype=torch.float32)
+    tensor = dcpm.TensorStorageMetadata(props, torch.Size(shape), [
+        dcpm.ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+    storage = {dcpm.MetadataIndex("w", torch.Size(o), i): _StorageInfo(relpaths[i % len(relpaths)], 64 * i, 16)
+               for i, (o, _) in enumerate(chunks)}
+    storage[dcpm.MetadataIndex("step")] = _StorageInfo("__0_0.distcp", 0, 8)
+    planner = {"w": ("w",), "step": ("step",)}
+    meta = dcpm.Metadata({"w": tensor, "step": dcpm.BytesStorageMetadata()}, planner_data=planner, storage_data=storage)
+    return pickle.dumps(meta)
+
+
+def _covers_once(shape: list[int], chunks: list[tuple[list[int], list[int]]]) -> bool:
+    """Independent oracle: count how often each element is covered."""
+    count = torch.zeros(shape, dtype=torch.int32)
+    for o, s in chunks:
+        if len(o) != len(shape) or any(x < 0 or n < 0 or x + n > d for x, n, d in zip(o, s, shape)):
+            return False
+        count[tuple(slice(x, x + n) for x, n in zip(o, s))] += 1
+    return bool((count == 1).all())
+
+
+def _load(root: Path, data: bytes) -> BaseException | None:
+    (root / ".metadata").write_bytes(data)
+    return _outcome(lambda: load_dcp_index(root), root / ".metadata")
+
+
+@st.composite
+def _tilings(draw) -> tuple[list[int], list[tuple[list[int], list[int]]]]:
+    """A tensor cut into a grid (a valid tiling, as DTensor shards are), then sometimes
+    disturbed: a chunk moved, grown, shrunk, dropped, duplicated or given the wrong rank."""
+    shape = draw(st.lists(st.integers(0, 5), min_size=1, max_size=3))
+    cuts = [sorted(set(draw(st.lists(st.integers(0, d), max_size=2))) | {0, d}) for d in shape]
+    chunks: list[tuple[list[int], list[int]]] = [([], [])]
+    for c in cuts:
+        chunks = [(o + [a], s + [b - a]) for o, s in chunks for a, b in zip(c, c[1:])] or [(o + [0], s + [0]) for o, s in chunks]
+    edit = draw(st.sampled_from(["none", "none", "move", "grow", "shrink", "drop", "dup", "rank", "negative"]))
+    i = draw(st.integers(0, len(chunks) - 1))
+    o, s = chunks[i]
+    d = draw(st.integers(0, len(shape) - 1))
+    if edit == "move":
+        o = o[:d] + [o[d] + draw(st.sampled_from([-1, 1]))] + o[d + 1:]
+    elif edit in ("grow", "shrink"):
+        s = s[:d] + [s[d] + (1 if edit == "grow" else -1)] + s[d + 1:]
+    elif edit == "drop" and len(chunks) > 1:
+        return shape, chunks[:i] + chunks[i + 1:]
+    elif edit == "dup":
+        return shape, chunks + [chunks[i]]
+    elif edit == "rank":
+        o, s = o + [0], s + [1]
+    elif edit == "negative":
+        o = o[:d] + [-1] + o[d + 1:]
+    return shape, chunks[:i] + [(o, s)] + chunks[i + 1:]
+
+
+@FUZZ
+@given(_tilings())
+def test_dcp_chunks_accepted_iff_they_cover_once(case) -> None:
+    shape, chunks = case
+    with _scratch() as root:
+        try:
+            data = _metadata(shape, chunks, ["__0_0.distcp"])
+        except (RuntimeError, ValueError):  # torch.Size refuses a negative size: not writable, skip
+            return
+        refused = _load(root, data)
+        assert (refused is None) == _covers_once(shape, chunks), f"{shape} {chunks}: {refused!r}"
+
+
+@FUZZ
+@given(st.lists(st.sampled_from(["__0_0.distcp", "sub/__1_0.distcp", "../x.distcp", "/etc/passwd", "a/../../b",
+                                 "..", "", "C:\\x", "./__0_0.distcp"]), min_size=1, max_size=3))
+def test_dcp_data_paths_stay_inside(relpaths: list[str]) -> None:
+    with _scratch() as root:
+        refused = _load(root, _metadata([4], [([0], [2]), ([2], [2])], relpaths))
+        escapes = any(p.startswith(("/", "\\")) or ".." in p.split("/") or not p for p in relpaths[:2])
+        assert isinstance(refused, UnsafeCheckpointError) == escapes, f"{relpaths}: {refused!r}"
+
+
+_VALID_META = _metadata([6, 4], [([0, 0], [3, 4]), ([3, 0], [3, 4])], ["__0_0.distcp", "__1_0.distcp"])
+
+
+@FUZZ
+@given(st.one_of(_mutations(_VALID_META), st.binary(max_size=512)))
+def test_dcp_metadata_mutated_or_random(data: bytes) -> None:
+    with _scratch() as root:
+        _load(root, data)
+
+
+class _Payload:
+    def __init__(self, func: object, args: tuple) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return (self.func, self.args)
+
+
+@FUZZ
+@given(st.sampled_from(["system", "eval", "exec", "popen", "getattr", "import", "torch_load"]),
+       st.sampled_from(["planner", "state_dict", "storage", "top"]))
+def test_dcp_metadata_never_runs_code(kind: str, where: str) -> None:
+    import builtins
+    import subprocess
+
+    with _scratch() as root:
+        marker = root / "pwned"
+        payload = _Payload(*{
+            "system": (os.system, (f"touch {marker}",)),
+            "eval": (builtins.eval, (f"open({str(marker)!r}, 'w')",)),
+            "exec": (builtins.exec, (f"open({str(marker)!r}, 'w')",)),
+            "popen": (subprocess.Popen, (["touch", str(marker)],)),
+            "getattr": (builtins.getattr, (os, "system")),
+            "import": (builtins.__import__, ("os",)),
+            "torch_load": (torch.load, (str(marker),)),
+        }[kind])
+        meta = pickle.loads(_VALID_META)  # our own bytes, made above
+        if where == "planner":
+            meta.planner_data["w"] = payload
+        elif where == "state_dict":
+            meta.state_dict_metadata["evil"] = payload
+        elif where == "storage":
+            meta.storage_data[dcpm.MetadataIndex("evil")] = payload
+        try:
+            data = pickle.dumps(payload if where == "top" else meta)
+        except (TypeError, pickle.PicklingError):  # a module object (getattr's target) cannot be pickled
+            return
+        refused = _load(root, data)
+        assert isinstance(refused, UnsafeCheckpointError) and "allow-list" in str(refused), repr(refused)
+        assert not marker.exists()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _cleanup() -> Iterator[None]:
+    yield
+    import shutil
+
+    shutil.rmtree(_SCRATCH, ignore_errors=True)

@@ -1,0 +1,141 @@
+"""The integrity manifest: written with every folder output, checked by ``verify --quick``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from reshard.manifest import MANIFEST_NAME, check_manifest, file_digest, read_manifest, write_manifest
+from reshard.staging import StagedOutput
+from tests.test_cli import assert_one_line_error, reshard
+
+
+def _folder(root: Path) -> Path:
+    (root / "sub" / "deeper").mkdir(parents=True)
+    (root / "a.bin").write_bytes(bytes(range(256)) * 1000)
+    (root / "empty").write_bytes(b"")
+    (root / "sub" / "deeper" / "c.json").write_text('{"x": 1}')
+    (root / ".metadata").write_bytes(b"hidden files count too")
+    return root
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def test_manifest_lists_every_file_with_its_sha256(tmp_path: Path) -> None:
+    root = _folder(tmp_path / "out")
+    write_manifest(root)
+    first = (root / MANIFEST_NAME).read_bytes()
+    entries = read_manifest(root)
+    assert sorted(entries) == [".metadata", "a.bin", "empty", "sub/deeper/c.json"]
+    for rel, d in entries.items():  # the digest sha256sum prints (and the Hub's LFS oid)
+        data = (root / rel).read_bytes()
+        assert (d.size, d.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    write_manifest(root, workers=1)  # deterministic: no timestamps, sorted, whatever the threads did
+    assert (root / MANIFEST_NAME).read_bytes() == first
+    assert check_manifest(root) == (4, [])
+    big = tmp_path / "big"  # more than one 8 MiB read block
+    big.write_bytes(b"\x07" * (9 << 20) + b"end")
+    assert file_digest(big).sha256 == hashlib.sha256(big.read_bytes()).hexdigest()
+
+
+def test_each_change_is_reported_by_file(tmp_path: Path) -> None:
+    root = _folder(tmp_path / "out")
+    write_manifest(root)
+    _flip(root / "a.bin", 1234)
+    (root / "sub" / "deeper" / "c.json").write_text('{"x": 2, "y": 3}')
+    (root / "empty").unlink()
+    (root / "stray.tmp").write_text("added later")
+    checked, problems = check_manifest(root)
+    assert checked == 4
+    assert [(p.relpath, p.kind) for p in problems] == [
+        ("a.bin", "checksum"), ("empty", "missing"), ("stray.tmp", "extra"), ("sub/deeper/c.json", "size")]
+    assert "16 bytes, manifest says 8" in problems[3].detail
+
+
+@pytest.mark.parametrize("doc, error, message", [
+    ("not json", CorruptCheckpointError, "not valid JSON"),
+    ({"reshard_manifest": 99, "algorithm": "sha256", "files": {}}, CorruptCheckpointError, "not a version-1 sha256"),
+    ({"reshard_manifest": 1, "algorithm": "md5", "files": {}}, CorruptCheckpointError, "not a version-1 sha256"),
+    ({"reshard_manifest": 1, "algorithm": "sha256", "files": []}, CorruptCheckpointError, "'files' is not an object"),
+    ({"reshard_manifest": 1, "algorithm": "sha256", "files": {"../../etc/passwd": {"size": 1, "sha256": "0" * 64}}},
+     UnsafeCheckpointError, "points outside its folder"),
+    ({"reshard_manifest": 1, "algorithm": "sha256", "files": {"/etc/passwd": {"size": 1, "sha256": "0" * 64}}},
+     UnsafeCheckpointError, "points outside its folder"),
+    ({"reshard_manifest": 1, "algorithm": "sha256", "files": {"a\\b": {"size": 1, "sha256": "0" * 64}}},
+     CorruptCheckpointError, "is not a relative path"),
+    ({"reshard_manifest": 1, "algorithm": "sha256", "files": {"a": {"size": -1, "sha256": "0" * 64}}},
+     CorruptCheckpointError, "needs a size and a 64-digit hex sha256"),
+    ({"reshard_manifest": 1, "algorithm": "sha256", "files": {"a": {"size": 1, "sha256": "xyz"}}},
+     CorruptCheckpointError, "needs a size and a 64-digit hex sha256"),
+])
+def test_hostile_or_broken_manifest_is_refused(tmp_path: Path, doc, error: type, message: str) -> None:
+    (tmp_path / MANIFEST_NAME).write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    with pytest.raises(error, match=message) as caught:
+        check_manifest(tmp_path)
+    assert str(caught.value).startswith(str(tmp_path / MANIFEST_NAME))
+
+
+def test_staged_folders_carry_a_manifest_files_do_not(tmp_path: Path) -> None:
+    with StagedOutput(tmp_path / "dir", is_dir=True) as out:
+        (out.staging / "x").write_text("x")
+        out.commit()
+    assert check_manifest(tmp_path / "dir") == (1, [])
+    with StagedOutput(tmp_path / "plain", is_dir=True, manifest=False) as out:
+        out.commit()
+    with StagedOutput(tmp_path / "one.pt", is_dir=False) as out:
+        out.staging.write_text("x")
+        out.commit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "one.pt", "plain"]
+    assert list((tmp_path / "plain").iterdir()) == []
+    with pytest.raises(CheckpointNotFoundError, match="no .reshard-manifest.json"):
+        check_manifest(tmp_path / "plain")
+
+
+def test_verify_quick_on_real_outputs_that_real_readers_still_load(tmp_path: Path) -> None:
+    """DCP, sharded safetensors and per-rank torch folders get a manifest; torch's dcp.load and
+    safetensors' load_file ignore it; a flipped byte is exit 1 naming the file."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    ref = {"w": torch.randn(64, 32), "b": torch.arange(100, dtype=torch.int64), "h": torch.randn(8).half()}
+    torch.save(ref, tmp_path / "src.pt")
+    outs = {"dcp": ["--to", "dcp"], "st": ["--to", "safetensors", "--max-shard-size", "8KB"], "ranks": ["--to-mesh", "2"]}
+    for name, args in outs.items():
+        proc = reshard("convert", tmp_path / "src.pt", tmp_path / name, "--quiet", *args)
+        assert proc.returncode == 0, proc.stderr
+        ok = reshard("verify", "--quick", tmp_path / name)
+        assert ok.returncode == 0 and ok.stdout.startswith("intact ("), ok.stdout
+        assert reshard("verify", tmp_path / "src.pt", tmp_path / name).returncode == 0
+    sd = {k: torch.empty_like(v) for k, v in ref.items()}
+    dcp.load(sd, checkpoint_id=tmp_path / "dcp")
+    assert all(torch.equal(sd[k], ref[k]) for k in ref)
+    index = json.loads((tmp_path / "st" / "model.safetensors.index.json").read_text())
+    loaded = {}
+    for f in sorted(set(index["weight_map"].values())):
+        loaded.update(load_file(tmp_path / "st" / f))
+    assert loaded.keys() == ref.keys() and all(torch.equal(loaded[k], ref[k]) for k in ref)
+    assert "__1_0.distcp" in read_manifest(tmp_path / "ranks")  # --to-mesh: one DCP file per rank
+
+    _flip(tmp_path / "dcp" / "__0_0.distcp", 2000)
+    bad = reshard("verify", "--quick", tmp_path / "dcp")
+    assert bad.returncode == 1
+    assert bad.stdout.splitlines()[0].startswith("DIFF __0_0.distcp: checksum: sha256 "), bad.stdout
+    assert "1 file(s) differ from the manifest (2 files checked)" in bad.stdout
+    as_json = json.loads(reshard("verify", "--quick", tmp_path / "dcp", "--json").stdout)
+    assert [(d["name"], d["kind"]) for d in as_json["differences"]] == [("__0_0.distcp", "checksum")]
+
+    assert_one_line_error(reshard("verify", "--quick", tmp_path / "src.pt"), "src.pt", "single file")
+    (tmp_path / "bare").mkdir()
+    assert_one_line_error(reshard("verify", "--quick", tmp_path / "bare"), "bare", "no .reshard-manifest.json")
+    assert_one_line_error(reshard("verify", "--quick", tmp_path / "st", tmp_path / "dcp"), "--quick")
