@@ -1,0 +1,132 @@
+"""The side files of a Hugging Face model folder: ``config.json``, ``generation_config.json``
+and the README model card.
+
+A folder converted from HF gets back the config it came with (carried inside the checkpoint,
+see ``reshard.provenance``); a checkpoint of the project's training model gets a
+``LlamaForCausalLM`` config built from its ``ModelConfig``, with the keys both transformers
+4.x (``rope_theta``, ``torch_dtype``) and 5.x (``rope_parameters``, ``dtype``) read. The
+dtype is always the one actually written, so ``--dtype bfloat16`` exports say bfloat16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.catalog import Target
+from reshard.errors import UnsupportedFormatError
+
+__all__ = ["llama_config", "generation_config", "with_dtype", "model_card", "write_json", "written_dtype"]
+
+
+def llama_config(train: dict[str, Any], *, tie: bool) -> dict[str, Any]:
+    """config.json for the project's training model (``reshard.train.model.ModelConfig``)."""
+    need = ("vocab_size", "dim", "n_layers", "n_heads", "ffn_dim")
+    missing = [k for k in need if not isinstance(train.get(k), int)]
+    if missing:
+        raise UnsupportedFormatError(
+            f"train.model_config lacks {missing[0]!r}; cannot write config.json (export with --to safetensors, "
+            "or add a config.json to the output yourself)"
+        )
+    heads = train["n_heads"]
+    kv = train.get("n_kv_heads") if isinstance(train.get("n_kv_heads"), int) else heads
+    theta = float(train.get("rope_theta", 10000.0))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": train["vocab_size"],
+        "hidden_size": train["dim"],
+        "intermediate_size": train["ffn_dim"],
+        "num_hidden_layers": train["n_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": train["dim"] // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(train.get("max_seq_len", 2048)),
+        "rms_norm_eps": float(train.get("norm_eps", 1e-5)),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": tie,
+        "use_cache": True,
+    }
+
+
+def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """What transformers' ``GenerationConfig.from_model_config`` keeps from a model config."""
+    out: dict[str, Any] = {"_from_model_config": True}
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if config.get(key) is not None:
+            out[key] = config[key]
+    return out
+
+
+def written_dtype(target: Target) -> torch.dtype | None:
+    """The floating dtype most of the written bytes have (what config.json should declare)."""
+    counts: Counter[torch.dtype] = Counter()
+    for t in target.tensors.values():
+        if t.dtype.is_floating_point:
+            counts[t.dtype] += t.nbytes
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def with_dtype(config: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+    if dtype is None:
+        return dict(config)
+    name = str(dtype).removeprefix("torch.")
+    return {**config, "torch_dtype": name, "dtype": name}
+
+
+def write_json(path: Path, doc: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def model_card(name: str, target: Target, config: dict[str, Any] | None, source: str, files: int) -> str:
+    """README.md: what the weights were converted from, their dtype and parameter count."""
+    params = sum(t.nbytes // t.dtype.itemsize for t in target.tensors.values())
+    dtype = written_dtype(target)
+    arch = ", ".join((config or {}).get("architectures") or []) or "unknown (no config.json)"
+    return "\n".join([
+        "---",
+        "library_name: transformers",
+        "tags:",
+        "- reshard",
+        "---",
+        "",
+        f"# {name}",
+        "",
+        f"Converted with reshard from {source}.",
+        "",
+        "| | |",
+        "| --- | --- |",
+        f"| architecture | {arch} |",
+        f"| parameters | {params:,} ({_count(params)}) |",
+        f"| dtype | {str(dtype).removeprefix('torch.') if dtype else 'n/a'} |",
+        f"| weights | {files} safetensors file{'s' if files != 1 else ''} |",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("path/to/{name}")  # or its Hub repo id',
+        "```",
+        "",
+    ])

@@ -1,0 +1,129 @@
+"""What a key map does to stored chunks: box arithmetic where it can, a lazy row gather where not.
+
+* Cutting a fused tensor into parts, or gluing parts into a fused tensor, moves no data: a
+  chunk of the fused tensor that overlaps a part becomes a chunk of the part with its box
+  re-based (and its bytes reached through a narrower ``StoredRegion`` when they are one run of
+  the file, so the engine can still kernel-copy them).
+* The q/k RoPE permutation reorders rows inside each attention head. ``RowGather`` is a
+  ``ChunkData`` that, asked for a box, reads just the source rows that box needs (in runs at
+  most twice the box), so memory stays bounded by the box, never by the tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reshard.boxes import Box, full_box
+from reshard.catalog import Chunk, ChunkData, TensorEntry
+from reshard.errors import UsageError
+from reshard.regions import StoredRegion
+
+__all__ = ["read_box", "part_chunks", "shifted_chunks", "RowGather", "rope_rows", "gathered_entry"]
+
+
+def read_box(entry: TensorEntry, box: Box) -> torch.Tensor:
+    """The global ``box`` of ``entry``, assembled from whichever chunks overlap it."""
+    out = torch.empty(box.sizes, dtype=entry.dtype)
+    for chunk in entry.chunks:
+        part = chunk.box.intersect(box)
+        if part is not None:
+            out[part.shifted(box.offsets).as_slices()] = chunk.data.read(part.shifted(chunk.box.offsets))
+    return out
+
+
+@dataclass(frozen=True)
+class _Offset:
+    """The part of ``data`` that starts ``delta`` elements into it, per dimension."""
+
+    data: ChunkData
+    delta: tuple[int, ...]
+
+    def read(self, box: Box) -> torch.Tensor:
+        return self.data.read(Box(tuple(o + d for o, d in zip(box.offsets, self.delta)), box.sizes))
+
+
+def _narrowed(data: ChunkData, delta: tuple[int, ...], sizes: tuple[int, ...]) -> ChunkData:
+    if not any(delta) and isinstance(data, StoredRegion) and data.shape == sizes:
+        return data
+    if isinstance(data, StoredRegion) and data.strides is None:
+        run = data.byte_range(Box(delta, sizes))
+        if run is not None:
+            return StoredRegion(data.path, run[0], data.dtype, sizes)
+    return _Offset(data, delta)
+
+
+def part_chunks(entry: TensorEntry, dim: int, start: int, size: int) -> list[Chunk]:
+    """Chunks of the slice ``[start, start + size)`` along ``dim`` of ``entry``, re-based to 0."""
+    window = Box(tuple(start if d == dim else 0 for d in range(len(entry.shape))),
+                 tuple(size if d == dim else s for d, s in enumerate(entry.shape)))
+    out = []
+    for chunk in entry.chunks:
+        part = chunk.box.intersect(window)
+        if part is None:
+            continue
+        delta = tuple(p - c for p, c in zip(part.offsets, chunk.box.offsets))
+        out.append(Chunk(part.shifted(window.offsets), _narrowed(chunk.data, delta, part.sizes)))
+    return out
+
+
+def shifted_chunks(entry: TensorEntry, dim: int, start: int) -> list[Chunk]:
+    """``entry``'s chunks placed ``start`` elements along ``dim`` inside a larger tensor."""
+    out = []
+    for c in entry.chunks:
+        offsets = tuple(o + start if d == dim else o for d, o in enumerate(c.box.offsets))
+        out.append(Chunk(Box(offsets, c.box.sizes), c.data))
+    return out
+
+
+def rope_rows(rows: int, heads: int, *, to_halves: bool) -> torch.Tensor:
+    """Source row of every output row for the q/k RoPE permutation of ``heads`` heads.
+
+    Meta/torchtitan rotate interleaved pairs (rows 0,1 of a head are one complex number); HF
+    Llama rotates the first half of a head against the second. transformers'
+    ``convert_llama_weights_to_hf.py`` turns one into the other with
+    ``w.view(n, hd // 2, 2, dim).transpose(1, 2).reshape(n * hd, dim)``; this is that map
+    written as row indices (``to_halves=False`` gives its inverse).
+    """
+    if heads <= 0 or rows % heads or (rows // heads) % 2:
+        raise UsageError(f"RoPE permutation: {rows} rows do not split into {heads} heads of an even size; "
+                         "check n_heads / n_kv_heads in the key map's params or the model config")
+    hd = rows // heads
+    idx = torch.arange(rows).view(heads, hd // 2, 2)
+    fwd = idx.transpose(1, 2).reshape(rows)  # output row r holds source row fwd[r]
+    return fwd if to_halves else torch.argsort(fwd)
+
+
+@dataclass(frozen=True)
+class RowGather:
+    """``source`` with its dim-0 rows reordered: output row ``r`` is source row ``rows[r]``."""
+
+    source: TensorEntry
+    rows: torch.Tensor
+
+    def read(self, box: Box) -> torch.Tensor:
+        if box.numel == 0:
+            return torch.empty(box.sizes, dtype=self.source.dtype)
+        want = self.rows[box.offsets[0] : box.offsets[0] + box.sizes[0]]
+        order = torch.argsort(want)
+        sorted_rows = want[order].tolist()
+        out = torch.empty(box.sizes, dtype=self.source.dtype)
+        # Runs of needed source rows whose gaps are at most one row: read each run whole and
+        # keep the rows wanted; a run reads at most about twice the rows it serves.
+        i = 0
+        while i < len(sorted_rows):
+            j = i
+            while j + 1 < len(sorted_rows) and sorted_rows[j + 1] - sorted_rows[j] <= 2:
+                j += 1
+            lo, hi = sorted_rows[i], sorted_rows[j] + 1
+            span = read_box(self.source, Box((lo,) + box.offsets[1:], (hi - lo,) + box.sizes[1:]))
+            picks = torch.tensor(sorted_rows[i : j + 1]) - lo
+            out[order[i : j + 1]] = span.index_select(0, picks)
+            i = j + 1
+        return out
+
+
+def gathered_entry(name: str, source: TensorEntry, rows: torch.Tensor) -> TensorEntry:
+    """``source`` under ``name``, rows reordered on read; one chunk covering the tensor."""
+    return TensorEntry(name, source.shape, source.dtype, [Chunk(full_box(source.shape), RowGather(source, rows))])
