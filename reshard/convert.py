@@ -16,7 +16,8 @@ from reshard.errors import SourceChangedError, UsageError
 from reshard.formats.base import Writer
 from reshard.formats.pieces import FileLayout
 from reshard.formats.registry import detect_format, format_for_destination, get_format
-from reshard.layout import parse_mesh
+from reshard.formats.zarr_store import is_url
+from reshard.layout import MeshSpec, parse_mesh
 from reshard.mesh_target import mesh_target
 from reshard.parallel import Workers, join_workers, split_files
 from reshard.placements import load_placement_plan
@@ -93,6 +94,8 @@ def convert(
     workers: int | None = None,
     fsync: bool = False,
     keep_per_rank: bool = False,
+    keymap: str | None = None,
+    compress: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` (format ``to``, or guessed from ``dst``).
 
@@ -107,11 +110,22 @@ def convert(
 
     >>> reshard.convert("ckpt/", "model.safetensors", only="model", dtype="bfloat16")
     >>> reshard.convert("ckpt/", to="dcp", mesh="4x8")  # writes ckpt_4x8/ beside ckpt/
+    >>> reshard.convert("ckpt/", to="hf", dtype="bfloat16")  # ckpt_hf/, for from_pretrained
+
+    ``keymap`` (a preset such as ``hf-to-titan`` or a JSON map) renames tensors on the way; a
+    SRC that is not a local path but an ``owner/name`` Hub repo id is downloaded first.
     """
     start = time.perf_counter()
+    if is_url(src) or is_url(dst):  # zarr stores behind fsspec URLs: no local staging (zarr_remote)
+        from reshard.formats.zarr_remote import convert_url
+
+        return convert_url(src, dst, to=to, mesh=mesh, placements=placements, dtype=dtype, only=only,
+                           max_memory=max_memory, overwrite=overwrite, quiet=quiet, compress=compress,
+                           keep_per_rank=keep_per_rank, keymap=keymap, max_shard_size=max_shard_size)
     src = Path(src)
-    if placements is not None and mesh is None:
-        raise UsageError("--placements needs --to-mesh")
+    from reshard.hub import hub_source
+
+    src, beside = hub_source(src)  # a Hub repo id: its cached snapshot; outputs go to the cwd
     budget = parse_size(max_memory)
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     fmt = detect_format(src)
@@ -119,19 +133,14 @@ def convert(
     before = source_files(catalog)
     if to is None:
         to = format_for_destination(Path(dst)) if dst is not None else "dcp"
-    spec = parse_mesh(mesh) if mesh is not None else None
-    if spec is not None:
-        if to not in _MESH_FORMATS:
-            raise UsageError(f"--to {to} holds whole tensors; --to-mesh lays out dcp, torch (one file per rank) or zarr")
-        to = _MESH_FORMATS[to]
-        target = mesh_target(catalog, spec, load_placement_plan(placements, spec), dtype=parse_dtype(dtype),
-                             only=only, keep_per_rank=keep_per_rank)
-    else:
-        target = full_target(catalog, dtype=parse_dtype(dtype), only=only)
+    catalog, to, target, spec = build_target(catalog, to, mesh=mesh, placements=placements, dtype=dtype, only=only,
+                                             keep_per_rank=keep_per_rank, keymap=keymap, budget=budget)
     out_fmt = get_format(to)
     dst = Path(dst) if dst is not None else default_destination(
-        src, to, sharded=shard_size is not None, mesh_label=spec.label if spec else None)
-    writer = out_fmt.writer(dst, max_shard_size=shard_size)
+        beside, to, sharded=shard_size is not None, mesh_label=spec.label if spec else None)
+    if compress and to != "zarr":
+        raise UsageError("--compress applies to zarr output only (--to zarr)")
+    writer = out_fmt.writer(dst, max_shard_size=shard_size, **({"compress": True} if compress else {}))
     files = writer.layout(target)
     plan = make_plan(catalog, files)
     group = join_workers()
@@ -146,6 +155,36 @@ def convert(
         seconds=time.perf_counter() - start, kernel_bytes=stats.kernel_bytes,
         notices=target.notices + list(writer.notices(target)),
     )
+
+
+def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str | None, dtype: str | None,
+                 only: str | None, keep_per_rank: bool, keymap: str | None, budget: int,
+                 ) -> tuple[Catalog, str, Target, MeshSpec | None]:
+    """What ``to`` will hold: the catalog renamed by ``keymap`` (and cut to HF model tensors for
+    ``hf``), the writer's format name, the target, and the mesh. Every check that can refuse the
+    conversion runs here, before a byte is written; local and URL conversions share it."""
+    if placements is not None and mesh is None:
+        raise UsageError("--placements needs --to-mesh")
+    if keymap is not None:  # lazily renamed entries; the source's real files are unchanged
+        from reshard.keymap import load_keymap
+
+        catalog = load_keymap(keymap).apply(catalog)
+    if to == "hf":  # model tensors under HF names, with config.json (reshard.formats.hf)
+        from reshard.formats.hf import export_catalog
+
+        catalog = export_catalog(catalog, max_memory=budget)
+    else:  # an HF source's config.json travels as objects, for a later --to hf
+        from reshard.provenance import carry_hf_configs
+
+        carry_hf_configs(catalog)
+    spec = parse_mesh(mesh) if mesh is not None else None
+    if spec is None:
+        return catalog, to, full_target(catalog, dtype=parse_dtype(dtype), only=only), None
+    if to not in _MESH_FORMATS:
+        raise UsageError(f"--to {to} holds whole tensors; --to-mesh lays out dcp, torch (one file per rank) or zarr")
+    target = mesh_target(catalog, spec, load_placement_plan(placements, spec), dtype=parse_dtype(dtype),
+                         only=only, keep_per_rank=keep_per_rank)
+    return catalog, _MESH_FORMATS[to], target, spec
 
 
 def _write(plan: Plan, writer: Writer, target: Target, files: list[FileLayout], src: Path, dst: Path,

@@ -28,6 +28,7 @@ Adding a row: append a ``Row`` to ``ROWS`` (or ``FLAT_ROWS``) whose builder turn
     python scripts/bench.py                                # ~1.5 GB checkpoint, 3 repeats
     python scripts/bench.py --size-mb 64 --repeats 1 --json bench.json
     python scripts/bench.py --flat-check --size-mb 384     # reshard peak RSS at 384 MiB and 4x
+    python scripts/bench.py --no-load                      # the conversion table only
 """
 
 from __future__ import annotations
@@ -221,6 +222,10 @@ ROWS: list[Row] = [
     Row(TORCH_DCP, _torch_dcp_to_torch),
     Row("hf save_torch_state_dict", _hf_save_torch_state_dict),
 ]
+# zarr write and read rows, next to DCP's (scripts/bench_zarr.py)
+from bench_zarr import print_throughput, zarr_rows  # noqa: E402
+
+ROWS += zarr_rows(Row, Command)
 FLAT_ROWS: list[Row] = [r for r in ROWS if r.name in (IMPORT_TORCH, RESHARD_ST)]
 
 
@@ -497,13 +502,24 @@ def run_table(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
     print("work = wall - wall(python -c 'import torch') for Python commands; cp: work = wall\n")
     print_table(summary)
     print_checks(checks)
+    throughput = print_throughput(summary, nbytes)  # MiB/s of the DCP and zarr rows
     failed = [m for m in results if m.required and not m.ok]
     for m in failed:
         print(f"\nreshard FAILED: {m.name}: {m.error}")
+    load_code = run_load(ctx.src, args) if args.load else 0
     report = {"mode": "table", "src": str(ctx.src), "src_bytes": nbytes, "env": environment(ctx, args.repeats),
-              "rows": summary, "acceptance": checks}
+              "rows": summary, "acceptance": checks, "throughput": throughput}
     missed = args.strict and not all(c["ok"] for c in checks)
-    return report, 1 if failed or missed else 0
+    return report, 1 if failed or missed or load_code else 0
+
+
+def run_load(src: Path, args: argparse.Namespace) -> int:
+    """The runtime's side of the story: the same checkpoint loaded into live ranks, by
+    scripts/bench_load.py in its own process (it spawns its gloo worlds)."""
+    print("\n-- load into a live FSDP2 model + AdamW (scripts/bench_load.py) --", flush=True)
+    argv = [sys.executable, str(Path(__file__).with_name("bench_load.py")), "--ckpt", str(src),
+            "--size-mb", str(args.size_mb), "--max-memory", args.max_memory]
+    return subprocess.run(argv, check=False).returncode
 
 
 def run_flat_check(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], int]:
@@ -548,6 +564,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--flat-check", action="store_true", help="reshard -> safetensors peak RSS at SIZE and SCALE x SIZE")
     ap.add_argument("--scale", type=float, default=4.0, help="size factor for --flat-check (default 4)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
+    ap.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
+                    help="after the table, load the same checkpoint into a live FSDP2 model + AdamW on 3 ranks: "
+                         "reshard rank0 / parallel against torch's broadcast_from_rank0 (scripts/bench_load.py)")
     ap.add_argument("--strict", action="store_true", help="also exit 1 when an acceptance target is missed")
     args = ap.parse_args(argv)
     if args.repeats < 1:

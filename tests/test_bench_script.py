@@ -30,7 +30,7 @@ def test_bench_runs_and_prints_table(tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPTS / "bench.py"), "--size-mb", "8", "--repeats", "1",
-         "--ckpt", str(tmp_path / "ckpt_8"), "--json", str(out_json)],
+         "--ckpt", str(tmp_path / "ckpt_8"), "--json", str(out_json), "--no-load"],
         capture_output=True, text=True, timeout=280,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
