@@ -2,7 +2,7 @@
 
 No downloads. Trains a tiny model with FSDP2 on 2 gloo ranks for two AdamW steps, saves it
 with torch.distributed.checkpoint, then runs the main job: inspect, convert to safetensors
-and to a torch file, and verify both against the source.
+and to a torch file, lay it out for a 3-rank mesh, and verify each against the source.
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ def main() -> None:
     run("reshard", "convert", str(ckpt), str(work / "model.safetensors"), "--only", "model")
     run("reshard", "convert", str(ckpt), str(work / "full.pt"), "--max-memory", "64KiB")
     run("reshard", "verify", str(ckpt), str(work / "full.pt"))
+    run("reshard", "inspect", str(ckpt), "--to-mesh", "3")  # what each of 3 ranks would hold
+    run("reshard", "convert", str(ckpt), "--to-mesh", "3")  # ckpt_3/, beside ckpt/
+    run("reshard", "verify", str(ckpt), str(work / "ckpt_3"))
+    run("reshard", "verify", "--quick", str(work / "ckpt_3"))
     print(f"done: outputs in {work}")
 
 
