@@ -20,7 +20,7 @@ from reshard.errors import ReshardError, UsageError
 
 app = typer.Typer(
     name="reshard",
-    help="Convert and reshard PyTorch checkpoints: DCP, safetensors, torch.save, per-rank files.",
+    help="Convert and reshard PyTorch checkpoints (DCP, safetensors, HF, torch.save, per-rank files, zarr) onto any mesh.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
