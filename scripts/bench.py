@@ -447,6 +447,19 @@ def print_checks(checks: Sequence[dict[str, Any]]) -> None:
         print("  (no reshard row ran)")
 
 
+def damon_pageout() -> bool:
+    """Whether the kernel's DAMON is paging out cold memory (some VMs run it): then page-cache
+    pages of the source can be evicted between runs, "warm cache" does not hold, and walls of
+    every row (cp included) vary by several times from run to run."""
+    root = Path("/sys/kernel/mm/damon/admin/kdamonds")
+    try:
+        return any((k / "state").read_text().strip() == "on"
+                   and any(a.read_text().strip() == "pageout" for a in k.glob("contexts/*/schemes/*/action"))
+                   for k in root.iterdir() if k.name.isdigit())
+    except OSError:
+        return False
+
+
 def environment(ctx: Context, repeats: int) -> dict[str, Any]:
     import torch  # only for its version; every measured child imports its own
 
@@ -455,7 +468,7 @@ def environment(ctx: Context, repeats: int) -> dict[str, Any]:
         "cache": "warm (source read once before measuring; page cache not dropped)",
         "work": "wall - wall(python -c 'import torch') for python rows; wall for cp",
         "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "platform": platform.platform(), "reshard": list(ctx.reshard),
+        "platform": platform.platform(), "reshard": list(ctx.reshard), "damon_pageout": damon_pageout(),
     }
 
 
@@ -499,7 +512,11 @@ def run_table(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
     print(f"\nDCP {ctx.src} ({nbytes / MIB:.0f} MiB, {WORLD_SIZE} ranks, fp32) | WARM cache | "
           f"median of {args.repeats} run(s) | --max-memory {args.max_memory} | {os.cpu_count()} CPUs | "
           f"RSS via {ctx.probe.name}")
-    print("work = wall - wall(python -c 'import torch') for Python commands; cp: work = wall\n")
+    print("work = wall - wall(python -c 'import torch') for Python commands; cp: work = wall")
+    if damon_pageout():
+        print("NOTE: DAMON pageout is on (kdamond): page-cache pages can be evicted between runs, so walls vary; "
+              "compare rows of the same run, and use more --repeats")
+    print()
     print_table(summary)
     print_checks(checks)
     throughput = print_throughput(summary, nbytes)  # MiB/s of the DCP and zarr rows
