@@ -22,7 +22,8 @@ from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.formats.dcp_metadata import StorageRecord, load_dcp_index
 from reshard.formats.dcp_metadata_write import ChunkRecord, TensorRecord, metadata_bytes
 from reshard.formats.pieces import FileLayout, Piece
-from reshard.formats.torch_zip import PieceRef, load_object_blob, read_torch_zip, torch_save_segments
+from reshard.formats.torch_zip import load_object_blob, read_torch_zip
+from reshard.formats.torch_zip_write import PieceRef, torch_save_segments
 from reshard.regions import StoredRegion, read_exact
 
 __all__ = ["DCPFormat", "DCPWriter"]

@@ -22,7 +22,7 @@ from reshard.formats.torch_save import (
     build_tree,
     embed_tensors,
 )
-from reshard.formats.torch_zip import PieceRef, torch_save_segments
+from reshard.formats.torch_zip_write import PieceRef, torch_save_segments
 
 from reshard.boxes import Box, tiles_exactly
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry

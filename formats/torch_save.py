@@ -27,13 +27,8 @@ from typing import Any
 
 import torch
 from reshard.formats.pieces import FileLayout, Piece, Segment
-from reshard.formats.torch_zip import (
-    DTensorRef,
-    PieceRef,
-    Record,
-    read_torch_zip,
-    torch_save_segments,
-)
+from reshard.formats.torch_zip import DTensorRef, Record, read_torch_zip
+from reshard.formats.torch_zip_write import PieceRef, torch_save_segments
 
 from reshard.boxes import full_box
 from reshard.catalog import Catalog, Chunk, NestedPath, Target, TensorEntry

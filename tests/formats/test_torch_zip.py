@@ -9,7 +9,8 @@ import torch
 
 from reshard.boxes import full_box
 from reshard.formats.pieces import Piece
-from reshard.formats.torch_zip import PieceRef, read_torch_zip, torch_save_segments
+from reshard.formats.torch_zip import read_torch_zip
+from reshard.formats.torch_zip_write import PieceRef, torch_save_segments
 from reshard.regions import StoredRegion
 
 
