@@ -214,7 +214,7 @@ class Engine:
                         os.posix_fallocate(fd, 0, f.size)  # fail now, not at 90%, if the disk is full
                     except OSError as e:
                         if e.errno == errno.ENOSPC:
-                            raise
+                            raise OSError(e.errno, e.strerror, str(path)) from None
                         os.ftruncate(fd, f.size)
                 _write_literals(fd, f)
             work = [(out_fds[f.relpath], off, p) for f, off, p in plan.pieces()]
@@ -225,6 +225,11 @@ class Engine:
                 try:
                     for fut in futures:
                         fut.result()
+                except OSError as e:
+                    pool.shutdown(cancel_futures=True)
+                    if e.filename is None:  # a full disk or I/O error on write: say where
+                        raise OSError(e.errno, e.strerror, str(root)) from e
+                    raise
                 except BaseException:
                     pool.shutdown(cancel_futures=True)
                     raise
