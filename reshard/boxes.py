@@ -118,10 +118,15 @@ def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
             return f"chunk at {b.offsets} of size {b.sizes} lies outside shape {tuple(shape)}"
     live = [b for b in boxes if b.numel > 0]
     total = sum(b.numel for b in live)
-    ordered = sorted(live, key=lambda b: b.offsets)
+    # Sweep along the dim the chunks split most (dim 1 for column-wise TP shards), so that a
+    # tensor cut into n pieces costs about n log n checks, not n^2.
+    d = max(range(len(shape)), key=lambda k: len({b.offsets[k] for b in live}), default=None)
+    start = (lambda b: b.offsets[d]) if d is not None else (lambda b: 0)  # a 0-d tensor: one element
+    end = (lambda b: b.ends[d]) if d is not None else (lambda b: 1)
+    ordered = sorted(live, key=lambda b: (start(b), b.offsets))
     for i, a in enumerate(ordered):
         for b in ordered[i + 1 :]:
-            if b.offsets[0] >= a.ends[0]:
+            if start(b) >= end(a):
                 break
             if a.intersect(b) is not None:
                 return f"chunks at {a.offsets} and {b.offsets} overlap"

@@ -52,3 +52,13 @@ def test_tiles_exactly_reports_problems() -> None:
     assert "holes" in tiles_exactly(shape, [Box((0, 0), (2, 3))])
     assert "outside" in tiles_exactly(shape, [Box((0, 0), (5, 3))])
     assert tiles_exactly((), [Box((), ())]) is None
+
+
+def test_tiles_exactly_sweeps_column_shards_and_scalars() -> None:
+    """Column-wise (TP) shards all start at row 0: the sweep runs along the columns."""
+    cols = [Box((0, 2 * i), (5, 2)) for i in range(50)]
+    assert tiles_exactly((5, 100), cols) is None
+    assert "overlap" in tiles_exactly((5, 100), cols[:7] + [Box((0, 13), (5, 2))] + cols[8:])
+    assert "holes" in tiles_exactly((5, 100), cols[:-1])
+    assert tiles_exactly((), [Box((), ())]) is None
+    assert "overlap" in tiles_exactly((), [Box((), ()), Box((), ())])
