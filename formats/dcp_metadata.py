@@ -18,7 +18,6 @@ import torch
 from reshard import _torch_compat
 from reshard.boxes import Box, tiles_exactly
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
-from reshard.formats.torch_zip import bytearray_from_data
 from reshard.safe_pickle import safe_loads
 
 __all__ = ["StorageRecord", "DCPIndex", "load_dcp_index"]
@@ -83,7 +82,6 @@ _GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): type("StorageInfo", (_Record,), {}),
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): _torch_compat.get_layout,
-    ("builtins", "bytearray"): bytearray_from_data,  # not PLAIN_GLOBALS' plain bytearray(n)
     ("pathlib", "PosixPath"): __import__("pathlib").PurePosixPath,
     ("pathlib", "WindowsPath"): __import__("pathlib").PureWindowsPath,
     ("pathlib", "PurePosixPath"): __import__("pathlib").PurePosixPath,

@@ -25,7 +25,7 @@ from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.regions import StoredRegion
 from reshard.safe_pickle import safe_loads
 
-__all__ = ["read_torch_zip", "load_object_blob", "DTensorRef", "Record", "bytearray_from_data"]
+__all__ = ["read_torch_zip", "load_object_blob", "DTensorRef", "Record"]
 
 _LEGACY_STORAGE_DTYPES = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
@@ -88,15 +88,6 @@ _DTENSOR_CLASSES = {
 }
 
 
-def bytearray_from_data(*args: Any) -> bytearray:
-    """``bytearray`` for the allow-lists, from data only. Pickles call it with the bytes (or
-    a latin-1 str) to copy; called with a number it allocates that many zeroed bytes, so a
-    30-byte file could claim gigabytes before any check (the allow-list's one amplifier)."""
-    if not args or isinstance(args[0], (bytes, bytearray, str)):
-        return bytearray(*args)
-    raise ValueError(f"bytearray({type(args[0]).__name__}): only stored bytes are accepted")  # safe_loads names the file
-
-
 def _parameter(data: Any, *_rest: Any) -> Any:
     return data
 
@@ -110,7 +101,6 @@ def _static_globals() -> dict[tuple[str, str], Any]:
     """The part of the allow-list that does not depend on the file being read (built once:
     a DCP checkpoint has a blob per chunk, thousands of them)."""
     table: dict[tuple[str, str], Any] = {
-        ("builtins", "bytearray"): bytearray_from_data,
         ("torch._utils", "_rebuild_parameter"): _parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
         ("torch._utils", "_rebuild_wrapper_subclass"): _wrapper_subclass,

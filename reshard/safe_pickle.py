@@ -17,7 +17,16 @@ from typing import Any
 
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["safe_loads", "PLAIN_GLOBALS"]
+__all__ = ["safe_loads", "PLAIN_GLOBALS", "bytearray_from_data"]
+
+def bytearray_from_data(*args: Any) -> bytearray:
+    """``bytearray`` from data only. Pickles call it with the bytes (or a latin-1 str) to copy;
+    called with a number it allocates that many zeroed bytes, so a 30-byte file could claim
+    gigabytes before any check (the allow-list's one amplifier)."""
+    if not args or isinstance(args[0], (bytes, bytearray, str)):
+        return bytearray(*args)
+    raise ValueError(f"bytearray({type(args[0]).__name__}): only stored bytes are accepted")  # safe_loads names the file
+
 
 # Harmless builtins that state dicts legitimately contain.
 PLAIN_GLOBALS: dict[tuple[str, str], Any] = {
@@ -25,7 +34,7 @@ PLAIN_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "frozenset"): frozenset,
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
-    ("builtins", "bytearray"): bytearray,
+    ("builtins", "bytearray"): bytearray_from_data,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
 }
 
