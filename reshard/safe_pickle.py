@@ -9,6 +9,7 @@ before it is imported or called.
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import pickle
 from collections.abc import Callable, Mapping
@@ -17,7 +18,7 @@ from typing import Any
 
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["safe_loads", "PLAIN_GLOBALS", "bytearray_from_data"]
+__all__ = ["safe_loads", "PLAIN_GLOBALS", "bytearray_from_data", "bytes_from_data", "latin1_bytes"]
 
 def bytearray_from_data(*args: Any) -> bytearray:
     """``bytearray`` from data only. Pickles call it with the bytes (or a latin-1 str) to copy;
@@ -28,6 +29,23 @@ def bytearray_from_data(*args: Any) -> bytearray:
     raise ValueError(f"bytearray({type(args[0]).__name__}): only stored bytes are accepted")  # safe_loads names the file
 
 
+def bytes_from_data(*args: Any) -> bytes:
+    """``bytes`` from data only (``bytes()`` is how protocol 2 pickles b""); ``bytes(n)``
+    would allocate n zeroed bytes, as ``bytearray(n)`` would."""
+    if not args or isinstance(args[0], (bytes, bytearray, str)):
+        return bytes(*args)
+    raise ValueError(f"bytes({type(args[0]).__name__}): only stored bytes are accepted")
+
+
+def latin1_bytes(text: Any, encoding: str = "latin1") -> bytes:
+    """``_codecs.encode`` as pickle protocol 2 (torch.save's default) uses it for every bytes
+    object: ``encode(str, "latin1")``. Only that: another codec name makes the codec registry
+    import a module by name."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise ValueError(f"_codecs.encode({type(text).__name__}, {encoding!r}): only latin1 text is accepted")
+    return text.encode("latin1")
+
+
 # Harmless builtins that state dicts legitimately contain.
 PLAIN_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "set"): set,
@@ -35,6 +53,8 @@ PLAIN_GLOBALS: dict[tuple[str, str], Any] = {
     ("builtins", "complex"): complex,
     ("builtins", "slice"): slice,
     ("builtins", "bytearray"): bytearray_from_data,
+    ("builtins", "bytes"): bytes_from_data,
+    ("_codecs", "encode"): latin1_bytes,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,
 }
 
@@ -53,6 +73,12 @@ class _AllowListUnpickler(pickle.Unpickler):
         self._origin = origin
 
     def find_class(self, module: str, name: str) -> Any:
+        # Protocol 2 pickles (torch.save's default) spell Python 2 names, __builtin__.set for
+        # builtins.set; pickle's own find_class maps them, and so must we (torch's does too).
+        if (module, name) in _compat_pickle.NAME_MAPPING:
+            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+        elif module in _compat_pickle.IMPORT_MAPPING:
+            module = _compat_pickle.IMPORT_MAPPING[module]
         try:
             return self._allowed[(module, name)]
         except KeyError:
