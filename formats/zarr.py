@@ -265,6 +265,7 @@ class ZarrWriter:
     and writes all metadata, so it needs only the files on disk, not this process's writes."""
 
     output_is_dir = True
+    finish_rewrites_data = True  # finish pads edge chunks and compresses: ranks' digests would be stale
 
     def __init__(self, *, compress: bool = False, chunk_bytes: int | None = None) -> None:
         self.compress = compress

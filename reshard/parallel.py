@@ -38,6 +38,14 @@ class Workers:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank (small values only)."""
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, value)
+        return everyone
+
     def check(self, error: BaseException | None) -> None:
         """A barrier that also shares failures: raise on every rank if any rank failed."""
         import torch.distributed as dist

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import TracebackType
 
 from reshard.errors import OutputExistsError, UsageError
-from reshard.manifest import write_manifest
+from reshard.manifest import FileDigest, write_manifest
 
 __all__ = ["StagedOutput"]
 
@@ -149,11 +149,12 @@ class StagedOutput:
                 else:
                     _remove(p)
 
-    def commit(self) -> None:
+    def commit(self, known_digests: dict[str, FileDigest] | None = None) -> None:
         """Move the finished staging into place; an existing output (with --overwrite) is
-        replaced only after the new one is complete."""
+        replaced only after the new one is complete. ``known_digests``: files already hashed
+        by the ranks that wrote them (see ``reshard.manifest.write_manifest``)."""
         if self.is_dir and self.manifest:
-            write_manifest(self.staging)
+            write_manifest(self.staging, known=known_digests)
         if self.fsync and self.is_dir:
             _fsync_dir(self.staging)
         exists = self.dst.exists() or self.dst.is_symlink()
