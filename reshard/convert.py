@@ -18,7 +18,6 @@ from reshard.formats.pieces import FileLayout
 from reshard.formats.registry import detect_format, format_for_destination, get_format
 from reshard.formats.zarr_store import is_url
 from reshard.layout import MeshSpec, parse_mesh
-from reshard.manifest import file_digests
 from reshard.mesh_target import mesh_target
 from reshard.parallel import Workers, join_workers, split_files
 from reshard.placements import load_placement_plan
@@ -196,12 +195,15 @@ def _write(plan: Plan, writer: Writer, target: Target, files: list[FileLayout], 
     rank = group.rank if group is not None else 0
     engine = Engine(budget, workers=workers, progress=progress and rank == 0, desc=f"{src.name} → {dst.name}", fsync=fsync)
     staged = StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=(src,), fsync=fsync)
+    # Files for the manifest are hashed as the engine finishes them (in the page cache, while
+    # later files copy), unless the writer's finish rewrites them (zarr pads and compresses).
+    hash_early = writer.output_is_dir and not getattr(writer, "finish_rewrites_data", False)
     if group is None:
         with staged as out:
-            stats = engine.run(plan, out.staging, writer.output_is_dir)
+            stats = engine.run(plan, out.staging, writer.output_is_dir, digests=hash_early)
             writer.finish(out.staging, target, files)
             _check_unchanged(before)
-            out.commit()
+            out.commit(stats.digests)
         return stats
     error: BaseException | None = None
     stats, entered = EngineStats(), False
@@ -214,18 +216,13 @@ def _write(plan: Plan, writer: Writer, target: Target, files: list[FileLayout], 
                 error = e
         group.check(error)
         staging = Path(group.share(str(staged.staging)))
-        mine = split_files(files, group.world_size)[rank]
-        digests: dict = {}
-        try:
-            stats = engine.run(plan.subset(mine), staging, writer.output_is_dir)
-            # Hash what this rank wrote while it is in this rank's page cache, so rank 0 does
-            # not read every byte back alone for the manifest (across nodes, over the network).
-            if writer.output_is_dir and not getattr(writer, "finish_rewrites_data", False):
-                digests = file_digests(staging, [files[i].relpath for i in mine])
+        try:  # each rank hashes what it wrote, so rank 0 does not read every byte back alone
+            stats = engine.run(plan.subset(split_files(files, group.world_size)[rank]), staging,
+                               writer.output_is_dir, digests=hash_early)
         except BaseException as e:  # noqa: BLE001 - re-raised on every rank by group.check
             error = e
         group.check(error)
-        known = {rel: d for part in group.gather(digests) for rel, d in part.items()}
+        known = {rel: d for part in group.gather(stats.digests) for rel, d in part.items()}
         if rank == 0:
             try:
                 writer.finish(staging, target, files)

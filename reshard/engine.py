@@ -21,7 +21,7 @@ import errno
 import os
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.catalog import ChunkData
 from reshard.errors import CorruptCheckpointError
 from reshard.formats.pieces import FileLayout, Piece
+from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
 from reshard.regions import StoredRegion, read_exact
 
@@ -46,6 +47,7 @@ _kernel_copy_works = hasattr(os, "copy_file_range")
 class EngineStats:
     kernel_bytes: int = 0
     buffered_bytes: int = 0
+    digests: dict[str, FileDigest] = field(default_factory=dict)  # relpath -> size and SHA-256, when asked
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, *, kernel: int = 0, buffered: int = 0) -> None:
@@ -199,9 +201,16 @@ class Engine:
             stats.add(buffered=data.nbytes)
             bar.update(data.nbytes)
 
-    def run(self, plan: Plan, root: Path, output_is_dir: bool) -> EngineStats:
-        """Write every file of ``plan`` under ``root`` (a directory, or the file itself)."""
+    def run(self, plan: Plan, root: Path, output_is_dir: bool, *, digests: bool = False) -> EngineStats:
+        """Write every file of ``plan`` under ``root`` (a directory, or the file itself).
+
+        ``digests``: also hash every file of a directory output for the manifest, each as soon
+        as its last piece is written, while it is in the page cache and while later files are
+        still being copied (the pieces then go file by file instead of biggest first)."""
         stats, fds, out_fds = EngineStats(), _FdCache(), {}
+        digests = digests and output_is_dir
+        hashing = ThreadPoolExecutor(self.workers) if digests else None
+        hashed: dict[str, Future] = {}
         bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
                    desc=self.desc, disable=not self.show_progress, file=sys.stderr)
         try:
@@ -217,11 +226,29 @@ class Engine:
                             raise OSError(e.errno, e.strerror, str(path)) from None
                         os.ftruncate(fd, f.size)
                 _write_literals(fd, f)
-            work = [(out_fds[f.relpath], off, p) for f, off, p in plan.pieces()]
-            # Big pieces first, so the pool does not end on one long tail.
-            work.sort(key=lambda w: -w[2].nbytes)
+            work = [(f.relpath, off, p) for f, off, p in plan.pieces()]
+            if digests:
+                order = {f.relpath: i for i, f in enumerate(plan.files)}
+                work.sort(key=lambda w: (order[w[0]], -w[2].nbytes))
+            else:  # big pieces first, so the pool does not end on one long tail
+                work.sort(key=lambda w: -w[2].nbytes)
+            left = {f.relpath: 0 for f in plan.files}
+            for rel, _, _ in work:
+                left[rel] += 1
+            lock = threading.Lock()
+
+            def fill(rel: str, off: int, piece: Piece) -> None:
+                self._fill(out_fds[rel], off, piece, plan.sources[piece], fds, stats, bar)
+                if hashing is not None:
+                    with lock:
+                        left[rel] -= 1
+                        if left[rel] == 0:
+                            hashed[rel] = hashing.submit(file_digest, root / rel)
+
+            if hashing is not None:  # files of literal bytes only are complete already
+                hashed.update({rel: hashing.submit(file_digest, root / rel) for rel, n in left.items() if n == 0})
             with ThreadPoolExecutor(self.workers) as pool:
-                futures = [pool.submit(self._fill, fd, off, p, plan.sources[p], fds, stats, bar) for fd, off, p in work]
+                futures = [pool.submit(fill, rel, off, p) for rel, off, p in work]
                 try:
                     for fut in futures:
                         fut.result()
@@ -233,10 +260,13 @@ class Engine:
                 except BaseException:
                     pool.shutdown(cancel_futures=True)
                     raise
+            stats.digests = {rel: fut.result() for rel, fut in hashed.items()}
             if self.fsync:
                 for fd in out_fds.values():
                     os.fsync(fd)
         finally:
+            if hashing is not None:
+                hashing.shutdown(cancel_futures=True)
             bar.close()
             fds.close()
             for fd in out_fds.values():

@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["MANIFEST_NAME", "ALGORITHM", "FileDigest", "ManifestProblem", "file_digest", "file_digests", "write_manifest",
+__all__ = ["MANIFEST_NAME", "ALGORITHM", "FileDigest", "ManifestProblem", "file_digest", "write_manifest",
            "read_manifest", "check_manifest"]
 
 MANIFEST_NAME = ".reshard-manifest.json"
@@ -89,17 +89,10 @@ def _digests(root: Path, relpaths: list[str], workers: int | None) -> dict[str, 
     return {r: done[r] for r in relpaths}
 
 
-def file_digests(root: Path, relpaths: list[str], *, workers: int | None = None) -> dict[str, FileDigest]:
-    """Size and SHA-256 of each of ``relpaths`` under ``root``, several files at once. Under
-    torchrun every rank hashes the files it just wrote (hot in its page cache) and rank 0
-    gets them with ``write_manifest(known=...)``, instead of reading every byte back alone."""
-    return _digests(Path(root), list(relpaths), workers)
-
-
 def write_manifest(root: Path, *, workers: int | None = None, known: dict[str, FileDigest] | None = None) -> Path:
     """Hash every file under ``root`` and write ``root/.reshard-manifest.json``. ``known``
-    digests (from the ranks that wrote those files) are taken as they are when the file still
-    has that size; every other file is hashed here.
+    digests (taken by the engine as it finished each file, on whichever rank wrote it) are
+    used as they are while the file still has that size; every other file is hashed here.
 
     Deterministic (sorted, no timestamps): two conversions of the same source into the same
     layout produce byte-identical folders, manifest included."""

@@ -66,3 +66,24 @@ def test_column_pieces_gather_across_shards(tmp_path: Path) -> None:
     _, body = _run(cat, pieces, tmp_path / "out", 64, workers=1)
     expected = t[:, :4].contiguous().numpy().tobytes() + t[2:, 4:].contiguous().numpy().tobytes()
     assert body == expected
+
+
+def test_digests_are_taken_as_each_file_is_finished(tmp_path: Path) -> None:
+    """digests=True: every file of a directory output, pieces and literal-only files alike,
+    hashed by the engine; the same bytes as a run without digests."""
+    import hashlib
+
+    t = torch.randn(40, 5)
+    cat = _sharded_catalog(tmp_path, t, [13, 13, 14])
+    rows = [Box((0, 0), (20, 5)), Box((20, 0), (20, 5))]
+    files = [FileLayout("a.bin", [b"A", Piece("w", rows[0], t.dtype)]), FileLayout("meta.txt", [b"only literals"]),
+             FileLayout("sub/b.bin", [Piece("w", rows[1], t.dtype), b"B"])]
+    plain, hashed = tmp_path / "plain", tmp_path / "hashed"
+    plain.mkdir(), hashed.mkdir()
+    Engine(1 << 20, workers=2, progress=False).run(make_plan(cat, files), plain, True)
+    stats = Engine(1 << 20, workers=2, progress=False).run(make_plan(cat, files), hashed, True, digests=True)
+    assert sorted(stats.digests) == ["a.bin", "meta.txt", "sub/b.bin"]
+    for rel, d in stats.digests.items():
+        data = (hashed / rel).read_bytes()
+        assert data == (plain / rel).read_bytes()
+        assert (d.size, d.sha256) == (len(data), hashlib.sha256(data).hexdigest())

@@ -142,14 +142,15 @@ def test_verify_quick_on_real_outputs_that_real_readers_still_load(tmp_path: Pat
 
 
 def test_known_digests_are_reused_only_while_the_size_holds(tmp_path: Path) -> None:
-    """Under torchrun the ranks hash what they wrote; rank 0 takes those digests as they are
-    (a planted wrong digest shows it was not recomputed) unless the file's size changed."""
-    from reshard.manifest import FileDigest, file_digests
+    """The engine hashes files as it finishes them (on every rank under torchrun); the manifest
+    takes those digests as they are (a planted wrong digest shows it was not recomputed)
+    unless the file's size changed since."""
+    from reshard.manifest import FileDigest
 
     (tmp_path / "a.bin").write_bytes(b"a" * 100)
     (tmp_path / "b.bin").write_bytes(b"b" * 50)
     (tmp_path / "c.bin").write_bytes(b"c" * 10)
-    real = file_digests(tmp_path, ["a.bin", "b.bin", "c.bin"])
+    real = {name: file_digest(tmp_path / name) for name in ("a.bin", "b.bin", "c.bin")}
     planted = FileDigest(100, "f" * 64)
     write_manifest(tmp_path, known={"a.bin": planted, "b.bin": FileDigest(49, "e" * 64), "gone.bin": planted})
     got = read_manifest(tmp_path)
