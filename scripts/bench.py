@@ -16,7 +16,9 @@ Method
   and torch start-up every Python tool pays is taken out. For ``cp`` work = wall. "RSS
   above import torch" is likewise peak RSS minus the bare import's peak RSS.
 * Runs are WARM-CACHE: dropping the page cache needs root, so every source file is read
-  once before measuring instead. Rows run round-robin, ``--repeats`` times each, in an
+  before each measured run instead (once is not enough where the kernel pages out cold
+  memory, as DAMON does on some VMs: the first row to touch an evicted source would pay
+  for everyone). Rows run round-robin, ``--repeats`` times each, in an
   emptied scratch dir beside the source (same file system; ``sync`` before each run so
   none pays for an earlier run's writeback), and the table shows medians.
 * A peer that fails is shown as "unavailable: reason" and skipped; a reshard row that
@@ -326,6 +328,8 @@ def measure(rows: Sequence[Row], ctx: Context, repeats: int, logdir: Path) -> li
                 continue
             _clear(ctx.scratch)
             cmd = row.build(ctx)
+            for warm in (ctx.src, *ctx.scratch.parent.glob("*.zarr")):  # the sources of every row
+                warm_read(warm)  # again before each run: page-cache pages can be evicted meanwhile
             m.argv = cmd.argv
             log = logdir / _log_name(row, rep)
             res = run_measured(cmd.argv, ctx.scratch, log, ctx.probe)
@@ -514,8 +518,8 @@ def run_table(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
           f"RSS via {ctx.probe.name}")
     print("work = wall - wall(python -c 'import torch') for Python commands; cp: work = wall")
     if damon_pageout():
-        print("NOTE: DAMON pageout is on (kdamond): page-cache pages can be evicted between runs, so walls vary; "
-              "compare rows of the same run, and use more --repeats")
+        print("NOTE: DAMON pageout is on (kdamond): it pages out cold memory, so sources are re-read before "
+              "every run; walls still vary more than usual, so use more --repeats")
     print()
     print_table(summary)
     print_checks(checks)
