@@ -99,6 +99,7 @@ class DCPWriter:
 
     def __init__(self) -> None:
         self._records: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
+        self._blobs: dict[tuple[torch.dtype, tuple[int, ...]], tuple[list, int]] = {}
 
     def layout(self, target: Target) -> list[FileLayout]:
         files = [FileLayout(f"__{r}_0.distcp") for r in range(target.world_size)]
@@ -113,14 +114,25 @@ class DCPWriter:
 
         for t in target.tensors.values():
             for box, rank in zip(t.boxes, t.ranks):
-                piece = Piece(t.name, box, t.dtype)
-                add(rank, (t.name, box.offsets), torch_save_segments(PieceRef("0", t.dtype, box.sizes), {"0": piece}))
+                add(rank, (t.name, box.offsets), self._blob(Piece(t.name, box, t.dtype)))
         for name, value in target.objects.items():
             buf = io.BytesIO()
             torch.save(value, buf)  # our own in-memory value, not user input
             add(0, (name, ()), [buf.getvalue()])
         # A rank that stores nothing (its shards are replicas kept by others) gets no file.
         return [f for i, f in enumerate(files) if f.segments or i == 0]
+
+    def _blob(self, piece: Piece) -> list:
+        """The torch.save archive around one chunk. Its header bytes depend only on the
+        chunk's dtype and shape (offsets inside a blob are blob-relative), and a mesh layout
+        has thousands of chunks of a few shapes: build each kind once, then swap the piece in."""
+        key = (piece.dtype, piece.box.sizes)
+        if key not in self._blobs:
+            segments = torch_save_segments(PieceRef("0", piece.dtype, piece.box.sizes), {"0": piece})
+            self._blobs[key] = (segments, next(i for i, s in enumerate(segments) if s is piece))
+            return segments
+        segments, at = self._blobs[key]
+        return [*segments[:at], piece, *segments[at + 1:]]
 
     def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
         tensors = {}
