@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from reshard.boxes import Box, contiguous_range
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
 
 __all__ = ["Codecs", "EncodedChunk", "FillChunk", "ZSTD_CODECS", "RAW_CODECS", "compress"]
 
@@ -31,11 +31,18 @@ ZSTD_CODECS: list[dict[str, Any]] = RAW_CODECS + [{"name": "zstd", "configuratio
 _BYTES_CODECS = ("zstd", "gzip", "blosc", "crc32c")
 
 
+def _import_numcodecs() -> Any:
+    """numcodecs (installed with zarr-python) holds the codecs; raw chunks never need it."""
+    try:
+        import numcodecs
+    except ImportError:
+        raise UsageError("compressed zarr chunks need numcodecs: pip install 'reshard[zarr]'") from None
+    return numcodecs
+
+
 def compress(data: bytes | bytearray | memoryview) -> bytes:
     """One chunk's bytes encoded as ``ZSTD_CODECS`` says."""
-    import numcodecs
-
-    return bytes(numcodecs.Zstd(level=0).encode(data))
+    return bytes(_import_numcodecs().Zstd(level=0).encode(data))
 
 
 def _zstd_content_size(data: bytes) -> int | None:
@@ -94,7 +101,7 @@ class Codecs:
             raise CorruptCheckpointError(f"{where}: codecs have no array-to-bytes codec ('bytes')")
 
     def _numcodec(self, name: str, config: dict[str, Any]) -> Any:
-        import numcodecs
+        numcodecs = _import_numcodecs()
 
         if name == "crc32c":
             return numcodecs.CRC32C()

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from reshard.errors import CheckpointNotFoundError
+from reshard.errors import CheckpointNotFoundError, UsageError
 
 __all__ = ["is_url", "LocalStore", "RemoteStore", "Store", "open_store", "ensure_open_files"]
 
@@ -88,7 +88,10 @@ class RemoteStore:
     root ``zarr.json`` last, so an interrupted write is not mistaken for a store."""
 
     def __init__(self, url: str, **storage_options: Any) -> None:
-        import fsspec
+        try:
+            import fsspec
+        except ImportError:
+            raise UsageError(f"{url}: URLs need fsspec: pip install 'reshard[zarr]' (and s3fs for s3://)") from None
 
         self.url = url
         self.where = url

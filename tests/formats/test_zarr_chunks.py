@@ -100,3 +100,14 @@ def test_hostile_compressed_chunks(tmp_path: Path) -> None:
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(UnsupportedFormatError, match="sharding_indexed"):
         ZarrFormat().read(store)
+
+
+def test_compression_without_numcodecs_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from reshard.errors import UsageError
+    from reshard.formats.zarr_chunks import compress
+
+    monkeypatch.setitem(sys.modules, "numcodecs", None)  # as if zarr-python were not installed
+    with pytest.raises(UsageError, match=r"reshard\[zarr\]"):
+        compress(b"abc")
