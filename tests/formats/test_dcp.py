@@ -11,23 +11,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
-from reshard.boxes import full_box
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from reshard.formats.dcp import DCPFormat
-
-
-def _full(entry) -> torch.Tensor:
-    out = torch.empty(entry.shape, dtype=entry.dtype)
-    for c in entry.chunks:
-        out[c.box.as_slices()] = c.data.read(full_box(c.box.sizes))
-    return out
+from tests.fixtures import full_tensor
 
 
 def test_reads_fsdp2_checkpoint_exactly(fsdp2_dcp, fsdp2_reference) -> None:
     cat = DCPFormat().read(fsdp2_dcp[0])
     assert set(cat.tensors) == set(fsdp2_reference)
     for name, ref in fsdp2_reference.items():
-        assert torch.equal(_full(cat.tensors[name]), ref), name
+        assert torch.equal(full_tensor(cat.tensors[name]), ref), name
     # Uneven shards over 3 ranks: 11 rows -> 4, 4, 3; the empty shard of head.weight stores nothing.
     assert [c.box.sizes[0] for c in cat.tensors["model.embed.weight"].chunks] == [4, 4, 3]
     assert len(cat.tensors["model.head.weight"].chunks) == 2

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import reshard
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Target, TensorEntry
+from reshard.boxes import Box
+from reshard.catalog import Catalog, Target
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError, UsageError
 from reshard.formats import torch_ranks
 from reshard.formats.registry import detect_format
@@ -23,16 +23,9 @@ from reshard.formats.torch_zip import DTensorRef, Record
 from reshard.plan import full_target
 from reshard.regions import StoredRegion
 from tests.dist import run_world
-from tests.fixtures import TinyNet
+from tests.fixtures import TinyNet, full_tensor
 from tests.formats.test_dcp import _Evil
 from tests.formats.test_torch_zip import _write
-
-
-def _full(entry: TensorEntry) -> torch.Tensor:
-    out = torch.empty(entry.shape, dtype=entry.dtype)
-    for c in entry.chunks:
-        out[c.box.as_slices()] = c.data.read(full_box(c.box.sizes))
-    return out
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +55,7 @@ def _write_torch(catalog, dst: Path) -> None:
     """What the engine does for the torch writer: bytes as they are, pieces from the tensors."""
     files = TorchSaveWriter(dst).layout(full_target(catalog))
     assert [f.relpath for f in files] == [""]
-    _write(dst, files[0].segments, {n: _full(t) for n, t in catalog.tensors.items()})
+    _write(dst, files[0].segments, {n: full_tensor(t) for n, t in catalog.tensors.items()})
 
 
 # ---------------------------------------------------------------------------------- one file
@@ -99,10 +92,10 @@ def test_reads_what_torch_saves(tmp_path: Path) -> None:
     assert cat.format == "torch"
     assert list(cat.tensors)[:3] == ["model.layers.0.w", "model.bf", "model.f8"]
     for name in ("layers.0.w", "bf", "f8", "ids", "mask", "scalar", "empty", "view", "param"):
-        _same(_full(cat.tensors[f"model.{name}"]), value["model"][name].detach(), name)
-    _same(_full(cat.tensors["optimizer.state.0.exp_avg"]), value["optimizer"]["state"][0]["exp_avg"])
-    _same(_full(cat.tensors["pairs.1"]), value["pairs"][1])
-    _same(_full(cat.tensors["history.0"]), value["history"][0])
+        _same(full_tensor(cat.tensors[f"model.{name}"]), value["model"][name].detach(), name)
+    _same(full_tensor(cat.tensors["optimizer.state.0.exp_avg"]), value["optimizer"]["state"][0]["exp_avg"])
+    _same(full_tensor(cat.tensors["pairs.1"]), value["pairs"][1])
+    _same(full_tensor(cat.tensors["history.0"]), value["history"][0])
     assert cat.paths["model.layers.0.w"] == ("model", "layers.0.w")
     assert cat.paths["optimizer.state.0.step"] == ("optimizer", "state", 0, "step")
     assert cat.paths["optimizer.param_groups.0.betas"] == ("optimizer", "param_groups", 0, "betas")
@@ -133,7 +126,7 @@ def test_hf_bin_with_tied_weights(tmp_path: Path) -> None:
     assert detect_format(path).name == "torch"
     cat = reshard.inspect(path)
     assert list(cat.tensors) == list(sd)
-    assert torch.equal(_full(cat.tensors["lm_head.weight"]), embed)
+    assert torch.equal(full_tensor(cat.tensors["lm_head.weight"]), embed)
     no_suffix = tmp_path / "checkpoint"
     shutil.copy(path, no_suffix)
     assert TorchSaveFormat().detect(no_suffix) and not TorchSaveFormat().detect(tmp_path)
@@ -267,7 +260,7 @@ def test_reads_fsdp2_rank_files_exactly(saved) -> None:
     cat = TorchRanksFormat().read(root / "fsdp")
     for name, want in ref.items():
         if not name.startswith("hsdp."):
-            _same(_full(cat.tensors[name]), want, name)
+            _same(full_tensor(cat.tensors[name]), want, name)
     assert [c.box.sizes[0] for c in cat.tensors["model.embed.weight"].chunks] == [3, 3, 3, 2]
     assert [c.box.offsets[0] for c in cat.tensors["model.proj.weight"].chunks] == [0, 2, 4, 6]
     assert len(cat.tensors["optim.state.head.weight.exp_avg"].chunks) == 2  # two empty shards store nothing
@@ -282,7 +275,7 @@ def test_reads_hsdp_and_nested_shards(saved) -> None:
     cat = reshard.inspect(root / "hsdp")
     assert cat.format == "torch-ranks" and cat.attrs["source_mesh"] == (2, 2)
     for name, t in cat.tensors.items():
-        _same(_full(t), ref[f"hsdp.{name}"], name)
+        _same(full_tensor(t), ref[f"hsdp.{name}"], name)
     assert [c.box.sizes for c in cat.tensors["up.weight"].chunks] == [(4, 5), (3, 5)]  # replicas once
     assert len(cat.tensors["gate"].chunks) == 1
     assert [c.box.sizes[0] for c in cat.tensors["nested"].chunks] == [2, 2, 2, 1]
@@ -307,7 +300,7 @@ def test_unplaceable_dtensors_are_refused(saved, tmp_path: Path, monkeypatch) ->
     with pytest.raises(UnsupportedFormatError, match=r"rank1\.pt: 'model\.embed\.weight' is one rank's shard of a DTensor"):
         TorchSaveFormat().read(root / "fsdp" / "rank1.pt")
     # A DTensor on a one-rank mesh is a whole tensor.
-    _same(_full(TorchSaveFormat().read(root / "one_rank.pt").tensors["w"]), torch.arange(6.0))
+    _same(full_tensor(TorchSaveFormat().read(root / "one_rank.pt").tensors["w"]), torch.arange(6.0))
     # _StridedShard (FSDP2 over TP) and non-default shard orders: files faked at the pickle level.
     local = StoredRegion(root / "one_rank.pt", 0, torch.float32, (2,))
     for placements, extra, message in [

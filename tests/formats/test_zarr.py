@@ -21,6 +21,7 @@ from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, Unsupp
 from reshard.formats import zarr_grid
 from reshard.formats.zarr import ZarrFormat, ZarrWriter
 from tests.dist import run_world
+from tests.fixtures import full_tensor
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as cli
 
@@ -35,14 +36,6 @@ def raw(t: torch.Tensor) -> bytes:
 def ts_read(path: Path) -> np.ndarray:
     """Read one array with tensorstore alone (no reshard code involved)."""
     return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result().read().result()
-
-
-def read_back(catalog: reshard.Catalog, name: str) -> torch.Tensor:
-    entry = catalog.tensors[name]
-    out = torch.zeros(entry.shape, dtype=entry.dtype)
-    for c in entry.chunks:
-        out[c.box.as_slices()] = c.data.read(full_box(c.box.sizes))
-    return out
 
 
 def test_fsdp2_dcp_to_zarr_read_by_tensorstore_alone(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
@@ -153,7 +146,7 @@ def test_every_dtype_round_trips_bit_for_bit(compress: bool, tmp_path: Path, mon
     for name, ref in tensors.items():
         meta = json.loads((store / name / "zarr.json").read_text())
         assert meta["attributes"]["reshard.dtype"] == str(ref.dtype).removeprefix("torch."), name
-        assert catalog.tensors[name].dtype == ref.dtype and raw(read_back(catalog, name)) == raw(ref), name
+        assert catalog.tensors[name].dtype == ref.dtype and raw(full_tensor(catalog.tensors[name])) == raw(ref), name
         if ref.dtype == torch.complex32:
             assert meta["data_type"] == "r32"  # no zarr name: raw bits + reshard.dtype
             continue
@@ -189,7 +182,7 @@ def test_objects_json_cannot_hold_travel_safely(tmp_path: Path) -> None:
     assert back.objects["plain"] == {"lr": 0.1, "inf": float("inf"), "key": (1, 2)}
     assert torch.equal(back.objects["held"]["mask"], torch.tensor([True, False]))
     assert back.paths["w"] == ("model", "w") and back.attrs["hf_config"] == {"hidden": 8}
-    assert torch.equal(read_back(back, "w"), t)
+    assert torch.equal(full_tensor(back.tensors["w"]), t)
     torch.save({"held": Evil()}, store / ".reshard-objects.pt")  # a hostile objects file
     with pytest.raises(UnsafeCheckpointError):
         reshard.inspect(store)

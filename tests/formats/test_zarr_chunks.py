@@ -12,20 +12,13 @@ import pytest
 import torch
 
 import reshard
-from reshard.boxes import Box, full_box
+from reshard.boxes import Box
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.formats.zarr import ZarrFormat
+from tests.fixtures import full_tensor
 
 zarr = pytest.importorskip("zarr")
 ts = pytest.importorskip("tensorstore")
-
-
-def _full(catalog: reshard.Catalog, name: str) -> torch.Tensor:
-    entry = catalog.tensors[name]
-    out = torch.empty(entry.shape, dtype=entry.dtype)
-    for c in entry.chunks:
-        out[c.box.as_slices()] = c.data.read(full_box(c.box.sizes))
-    return out
 
 
 def test_reads_a_zarr_python_store(tmp_path: Path) -> None:
@@ -41,9 +34,9 @@ def test_reads_a_zarr_python_store(tmp_path: Path) -> None:
     catalog = ZarrFormat().read(tmp_path / "zp.zarr")
     assert set(catalog.tensors) == {"model.layers.0.w", "zeros", "filled"}
     assert catalog.paths["model.layers.0.w"] == ("model", "layers.0", "w")  # dots in a node name
-    assert torch.equal(_full(catalog, "model.layers.0.w"), torch.from_numpy(w))
-    assert torch.equal(_full(catalog, "zeros"), torch.zeros(5, dtype=torch.int64))
-    assert torch.equal(_full(catalog, "filled"), torch.tensor([1, 2, 7, 7], dtype=torch.int32))
+    assert torch.equal(full_tensor(catalog.tensors["model.layers.0.w"]), torch.from_numpy(w))
+    assert torch.equal(full_tensor(catalog.tensors["zeros"]), torch.zeros(5, dtype=torch.int64))
+    assert torch.equal(full_tensor(catalog.tensors["filled"]), torch.tensor([1, 2, 7, 7], dtype=torch.int32))
     assert catalog.attrs["zarr_attributes"] == {"note": "kept"}
     # a sub-box that crosses chunks, through a real conversion
     reshard.convert(tmp_path / "zp.zarr", tmp_path / "out.safetensors", quiet=True)
@@ -72,7 +65,7 @@ def test_reads_tensorstore_codecs(tmp_path: Path) -> None:
     (tmp_path / "t.zarr" / "zarr.json").write_text(json.dumps({"zarr_format": 3, "node_type": "group"}))
     catalog = ZarrFormat().read(tmp_path / "t.zarr")
     for name, (t, _) in cases.items():
-        got = _full(catalog, name)
+        got = full_tensor(catalog.tensors[name])
         assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8)), name
         chunk = catalog.tensors[name].chunks[-1]  # a sub-box of a decoded edge chunk
         part = chunk.data.read(Box((0,) * t.dim(), (1,) + chunk.box.sizes[1:]))
@@ -88,12 +81,12 @@ def test_hostile_compressed_chunks(tmp_path: Path) -> None:
     chunk.write_bytes(good[: len(good) // 2])  # truncated zstd frame
     catalog = ZarrFormat().read(store)  # metadata is fine; the damage shows when read
     with pytest.raises(CorruptCheckpointError, match=r"w/c/0/0: zstd decoding failed"):
-        _full(catalog, "w")
+        full_tensor(catalog.tensors["w"])
     import numcodecs
 
     chunk.write_bytes(numcodecs.Zstd().encode(bytes(40)))  # a valid frame of the wrong size
     with pytest.raises(CorruptCheckpointError, match="zstd frame holds 40 bytes, a chunk has 48"):
-        _full(ZarrFormat().read(store), "w")
+        full_tensor(ZarrFormat().read(store).tensors["w"])
     meta_path = store / "w" / "zarr.json"
     meta = json.loads(meta_path.read_text())
     meta["codecs"] = [{"name": "sharding_indexed", "configuration": {}}]
