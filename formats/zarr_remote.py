@@ -114,7 +114,7 @@ def convert_url(src: Any, dst: Any, *, to: str | None = None, mesh: str | None =
                 keymap: str | None = None, max_shard_size: str | int | None = None) -> Any:
     """``reshard.convert`` where SRC or DST is a URL. Remote DST: a zarr store, written as
     above. Remote SRC with local DST: any format, staged and renamed as usual."""
-    from reshard.convert import ConvertResult, build_target, convert
+    from reshard.convert import ConvertResult, build_target, convert, write_output
     from reshard.plan import make_plan
     from reshard.sizes import parse_size
 
@@ -144,18 +144,14 @@ def convert_url(src: Any, dst: Any, *, to: str | None = None, mesh: str | None =
         plan = make_plan(catalog, writer.layout(target))
         write_url(str(dst), plan, target, writer, max_memory=budget, overwrite=overwrite)
         notices = writer.notices(target)
-    else:
-        from reshard.engine import Engine
+    else:  # a remote source into a local output: staged and committed as any conversion
         from reshard.formats.registry import get_format
-        from reshard.staging import StagedOutput
 
         out = get_format(to).writer(dst_path, max_shard_size=shard, **({"compress": True} if compress else {}))
         files = out.layout(target)
         plan = make_plan(catalog, files)
-        with StagedOutput(dst_path, is_dir=out.output_is_dir, overwrite=overwrite) as staged:
-            Engine(budget, progress=not quiet, desc=f"{src} → {dst_path.name}").run(plan, staged.staging, out.output_is_dir)
-            out.finish(staged.staging, target, files)
-            staged.commit()
+        write_output(plan, out, target, files, dst_path, {}, None, sources=(), label=str(src), budget=budget,
+                     workers=None, progress=not quiet, overwrite=overwrite, fsync=False)
         notices = list(out.notices(target))
     return ConvertResult(src=src, dst=dst if dst_path is None else dst_path, format=to, tensors=len(target.tensors),
                          bytes=plan.total_bytes, seconds=time.perf_counter() - start,

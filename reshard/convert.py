@@ -26,7 +26,7 @@ from reshard.regions import StoredRegion
 from reshard.sizes import parse_size
 from reshard.staging import StagedOutput
 
-__all__ = ["ConvertResult", "convert", "default_destination", "source_files"]
+__all__ = ["ConvertResult", "convert", "build_target", "write_output", "default_destination", "source_files"]
 
 _SUFFIX = {"safetensors": ".safetensors", "torch": ".pt", "zarr": ".zarr"}
 # Formats that can hold a mesh layout, and the writer that does it.
@@ -145,8 +145,8 @@ def convert(
     plan = make_plan(catalog, files)
     group = join_workers()
     try:
-        stats = _write(plan, writer, target, files, src, dst, before, group, budget=budget, workers=workers,
-                       progress=not quiet, overwrite=overwrite, fsync=fsync)
+        stats = write_output(plan, writer, target, files, dst, before, group, sources=(src,), label=src.name,
+                             budget=budget, workers=workers, progress=not quiet, overwrite=overwrite, fsync=fsync)
     finally:
         if group is not None:
             group.close()
@@ -187,14 +187,15 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
     return catalog, _MESH_FORMATS[to], target, spec
 
 
-def _write(plan: Plan, writer: Writer, target: Target, files: list[FileLayout], src: Path, dst: Path,
-           before: dict[Path, tuple[int, int]], group: Workers | None, *, budget: int, workers: int | None,
-           progress: bool, overwrite: bool, fsync: bool) -> EngineStats:
-    """Stage, write and commit; under torchrun each rank writes its share of the files and
-    rank 0 stages, finishes and commits."""
+def write_output(plan: Plan, writer: Writer, target: Target, files: list[FileLayout], dst: Path,
+                 before: dict[Path, tuple[int, int]], group: Workers | None, *, sources: tuple[Path, ...], label: str,
+                 budget: int, workers: int | None, progress: bool, overwrite: bool, fsync: bool) -> EngineStats:
+    """Stage, write and commit a local output; under torchrun each rank writes its share of
+    the files and rank 0 stages, finishes and commits. ``sources``: local paths DST must not
+    overwrite; ``before``: their files' sizes and mtimes, checked again before the commit."""
     rank = group.rank if group is not None else 0
-    engine = Engine(budget, workers=workers, progress=progress and rank == 0, desc=f"{src.name} → {dst.name}", fsync=fsync)
-    staged = StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=(src,), fsync=fsync)
+    engine = Engine(budget, workers=workers, progress=progress and rank == 0, desc=f"{label} → {dst.name}", fsync=fsync)
+    staged = StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=sources, fsync=fsync)
     # Files for the manifest are hashed as the engine finishes them (in the page cache, while
     # later files copy), unless the writer's finish rewrites them (zarr pads and compresses).
     hash_early = writer.output_is_dir and not getattr(writer, "finish_rewrites_data", False)
