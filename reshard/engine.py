@@ -21,6 +21,7 @@ import errno
 import os
 import sys
 import threading
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -232,21 +233,20 @@ class Engine:
                 work.sort(key=lambda w: (order[w[0]], -w[2].nbytes))
             else:  # big pieces first, so the pool does not end on one long tail
                 work.sort(key=lambda w: -w[2].nbytes)
-            left = {f.relpath: 0 for f in plan.files}
-            for rel, _, _ in work:
-                left[rel] += 1
+            left = Counter(rel for rel, _, _ in work)  # pieces still to write, per file
             lock = threading.Lock()
 
             def fill(rel: str, off: int, piece: Piece) -> None:
                 self._fill(out_fds[rel], off, piece, plan.sources[piece], fds, stats, bar)
-                if hashing is not None:
+                if digests:
                     with lock:
                         left[rel] -= 1
                         if left[rel] == 0:
                             hashed[rel] = hashing.submit(file_digest, root / rel)
 
-            if hashing is not None:  # files of literal bytes only are complete already
-                hashed.update({rel: hashing.submit(file_digest, root / rel) for rel, n in left.items() if n == 0})
+            if digests:  # files of literal bytes only are complete already
+                hashed.update({f.relpath: hashing.submit(file_digest, root / f.relpath)
+                               for f in plan.files if not left[f.relpath]})
             with ThreadPoolExecutor(self.workers) as pool:
                 futures = [pool.submit(fill, rel, off, p) for rel, off, p in work]
                 try:
