@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +19,10 @@ from reshard.hub import PushResult, push
 from reshard.verify import VerifyResult, verify
 
 if TYPE_CHECKING:
-    import torch
-
-    from reshard.runtime import LoadResult
+    from reshard.runtime import LoadResult, load_model, load_state_dict
 
 __all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "ConvertResult",
-           "VerifyResult", "PushResult", "ReshardError"]
+           "VerifyResult", "PushResult", "LoadResult", "ReshardError"]
 __version__ = "0.1.0"
 
 
@@ -38,25 +35,14 @@ def inspect(path: str | os.PathLike) -> Catalog:
     return detect_format(path).read(path)
 
 
-def load_model(
-    model: torch.nn.Module, source: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-    mode: str = "auto", keymap: Any = None, strict: bool = True, max_memory: str | int = "1GiB", *,
-    progress: bool = True,
-) -> LoadResult:
-    """Load ``source`` into a plain, DDP or FSDP2 model (and its optimizer) on every rank; see
-    ``reshard.runtime.load_model``. The runtime is imported on first use, so ``import reshard``
-    stays light."""
-    from reshard.runtime import load_model as _load_model
-
-    return _load_model(model, source, optimizer, mode, keymap, strict, max_memory, progress=progress)
+_LAZY = {"load_model", "load_state_dict", "LoadResult"}  # reshard.runtime imports torch.distributed
 
 
-def load_state_dict(
-    state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str = "auto", keymap: Any = None,
-    strict: bool = True, max_memory: str | int = "1GiB", *, progress: bool = True,
-) -> LoadResult:
-    """Fill a (sharded) state dict's tensors in place from ``source``; see
-    ``reshard.runtime.load_state_dict``."""
-    from reshard.runtime import load_state_dict as _load_state_dict
+def __getattr__(name: str) -> Any:
+    """``reshard.load_model`` and ``reshard.load_state_dict`` are ``reshard.runtime``'s own,
+    imported on first use so that ``import reshard`` stays light."""
+    if name in _LAZY:
+        from reshard import runtime
 
-    return _load_state_dict(state_dict, source, mode, keymap, strict, max_memory, progress=progress)
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'reshard' has no attribute {name!r}")
