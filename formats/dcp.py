@@ -1,90 +1,182 @@
 """torch.distributed.checkpoint directories: ``.metadata`` plus ``__{rank}_{n}.distcp`` files.
 
-Each stored chunk is a blob inside a ``.distcp`` file: a torch.save zip by default (the payload
-record is raw bytes we can read or kernel-copy directly), or raw bytes when DCP was told to
-serialize that way. We write the default form, so torch's own ``dcp.load`` and
-``dcp_to_torch_save`` read our output; ``.metadata`` is written last, which is what makes a
-DCP folder look complete.
+Reading: ``.metadata`` (or, saved with ``use_collectives=False``, every ``__{rank}.metadata``
+merged: ``dcp_ranks``) is loaded without trusting it (``dcp_metadata``), then every record is
+placed and checked (``dcp_records``): a torch.save zip, whose payload record is raw bytes we
+read or kernel-copy directly; a zstd frame around one (``dcp_zstd``, decompressed as a stream
+on read); or a tensor of the safetensors blob torch writes with
+``SerializationFormat.SAFETENSORS`` (``dcp_safetensors``), again raw bytes at a known offset.
+Objects are unpickled (by the allow-list unpickler) only when something asks for them, so a
+conversion that keeps the model never reads the optimizer's or the data loader's pickles.
+
+Writing: we write the default form, so torch's own ``dcp.load`` and ``dcp_to_torch_save``
+read our output; ``.metadata`` is written last, which is what makes a DCP folder look complete.
 """
 
 from __future__ import annotations
 
-import io
-import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from reshard.boxes import Box
-from reshard.catalog import Catalog, Chunk, Target, TensorEntry
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.dcp_metadata import StorageRecord, load_dcp_index
+from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, Target, TensorEntry
+from reshard.errors import CorruptCheckpointError
+from reshard.formats.dcp_metadata import ChunkTable, DCPIndex, StorageRecord, load_dcp_index
 from reshard.formats.dcp_metadata_write import ChunkRecord, TensorRecord, metadata_bytes
+from reshard.formats.dcp_ranks import CheckedCopies, rank_metadata_files, same_bytes
+from reshard.formats.dcp_records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record
+from reshard.formats.dcp_zstd import ZstdChunk, load_zstd_object
 from reshard.formats.pieces import FileLayout, Piece
 from reshard.formats.torch_zip import load_object_blob, read_torch_zip
-from reshard.formats.torch_zip_write import PieceRef, torch_save_segments
-from reshard.regions import StoredRegion, read_exact
+from reshard.formats.torch_zip_write import PieceRef, torch_save_bytes, torch_save_segments
+from reshard.regions import StoredRegion
+from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
 
 __all__ = ["DCPFormat", "DCPWriter"]
 
+_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
-def _chunk_region(root: Path, name: str, box: Box, dtype: torch.dtype, rec: StorageRecord) -> StoredRegion:
-    path = root / rec.relpath
-    where = f"{path}: chunk {box.offsets} of {name!r}"
-    if rec.transforms:
-        raise UnsupportedFormatError(f"{where} is stored with transforms {rec.transforms} (compressed DCP)")
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path}: data file named in .metadata is missing") from None
-    try:
-        size = os.fstat(fd).st_size
-        if rec.offset + rec.length > size:
-            raise CorruptCheckpointError(
-                f"{path}: {name!r} needs bytes up to {rec.offset + rec.length}, file has {size} (truncated?)"
-            )
-        magic = bytes(read_exact(fd, min(4, rec.length), rec.offset, path))
-    finally:
-        os.close(fd)
-    if magic == b"PK\x03\x04":
-        region = read_torch_zip(path, rec.offset, rec.length)
-        if not isinstance(region, StoredRegion):
-            raise CorruptCheckpointError(f"{where} holds {type(region).__name__}, not a tensor")
-        if region.shape != box.sizes or region.dtype != dtype:
-            raise CorruptCheckpointError(
-                f"{where} stores {region.dtype} {list(region.shape)}, metadata says {dtype} {list(box.sizes)}"
-            )
-        return region
-    if rec.length != box.numel * dtype.itemsize:
-        raise CorruptCheckpointError(f"{where} holds {rec.length} bytes, expected {box.numel * dtype.itemsize}")
-    return StoredRegion(path, rec.offset, dtype, box.sizes)
+
+def _copies(index: DCPIndex, name: str, rec: StorageRecord, box: Box | None = None, dtype: torch.dtype | None = None
+            ) -> list[Item]:
+    """The item and, when several ranks wrote it (use_collectives=False), the others' copies."""
+    return [Item(name, r, box, dtype) for r in [rec, *index.copies.get((name, box.offsets if box else ()), [])]]
+
+
+def _items(index: DCPIndex) -> list[Item]:
+    """Every record to place: each chunk that holds elements and each object, every rank's copy."""
+    items = []
+    for name, (_, dtype, chunks) in index.tensors.items():
+        for box, rec in chunks:
+            if box.numel:  # empty shards (more ranks than rows) hold no bytes worth reading
+                items += _copies(index, name, rec, box, dtype)
+    for name, rec in index.objects.items():
+        items += _copies(index, name, rec)
+    return items
+
+
+def _chunk_data(root: Path, it: Item, placed: Placed, path: Path | None = None) -> ChunkData:
+    path = path or root / it.rec.relpath
+    where = f"{path}: {it.describe()}"
+    if placed.kind == ZSTD:
+        return ZstdChunk(path, it.rec.offset, it.rec.length, it.dtype, it.box.sizes, where)
+    if placed.kind != ZIP:
+        return placed.region
+    region = read_torch_zip(path, it.rec.offset, it.rec.length)
+    if not isinstance(region, StoredRegion):
+        raise CorruptCheckpointError(f"{where} holds {type(region).__name__}, not a tensor")
+    if region.shape != it.box.sizes or region.dtype != it.dtype:
+        raise CorruptCheckpointError(
+            f"{where} stores {region.dtype} {list(region.shape)}, metadata says {it.dtype} {list(it.box.sizes)}"
+        )
+    return region
+
+
+def _lazy_object(root: Path, name: str, rec: StorageRecord) -> Callable[[], Any]:
+    it = Item(name, rec)
+    return lambda: _object_loader(root, it, Placed(sniff_record(root / rec.relpath, it, allow_blob=False)))()
+
+
+def _object_loader(root: Path, it: Item, placed: Placed) -> Callable[[], Any]:
+    path, rec = root / it.rec.relpath, it.rec
+    if placed.kind == ZSTD:
+        return lambda: load_zstd_object(path, rec.offset, rec.length, f"{path}: {it.describe()}")
+    return lambda: load_object_blob(path, rec.offset, rec.length, lambda r: r.read_all())
+
+
+class _LazyChunk:
+    """A chunk's record, read the first time its bytes are wanted: the torch.save archive (or
+    zstd frame around one) is located and checked against ``.metadata`` then. Reading every
+    archive's header up front would cost a read per chunk before ``inspect`` could print."""
+
+    __slots__ = ("path", "name", "rec", "box", "dtype", "_data")
+
+    def __init__(self, path: Path, name: str, rec: StorageRecord, box: Box, dtype: torch.dtype) -> None:
+        self.path, self.name, self.rec, self.box, self.dtype, self._data = path, name, rec, box, dtype, None
+
+    def resolve(self) -> ChunkData:
+        if self._data is None:
+            it = Item(self.name, self.rec, self.box, self.dtype)
+            kind = sniff_record(self.path, it, allow_blob=False)
+            self._data = _chunk_data(self.path.parent, it, Placed(kind), self.path)
+        return self._data
+
+    def region(self) -> StoredRegion | None:
+        data = self.resolve()
+        return data if isinstance(data, StoredRegion) else None
+
+    def read(self, box: Box) -> torch.Tensor:
+        return self.resolve().read(box)
+
+
+def _lazy_entry(root: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype, table: ChunkTable) -> TensorEntry:
+    rows = table.nonempty()
+
+    def make(i: int) -> ChunkData:
+        k = int(rows[i])
+        rec = table.record(k)
+        return _LazyChunk(root / rec.relpath, name, rec, table.box(k), dtype)
+
+    return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make)
+
+
+def _fast_path(root: Path, index: DCPIndex, records: RecordColumns) -> bool:
+    """Whether records can be read lazily: every rank wrote its own (no copies), no two records
+    of a file start at one byte, and each file's first tensor record is a torch.save archive
+    or a zstd frame (not the safetensors blob of SerializationFormat.SAFETENSORS, whose shared
+    offsets need the blob's header read up front: ``place_records``). One read per file."""
+    if index.copies or records.shared_starts():
+        return False
+    first = records.first_tensor_record()
+    return all(sniff_record(root / index.files[f], records.item(k)) != BLOB for f, k in first.items())
 
 
 class DCPFormat:
     name = "dcp"
 
     def detect(self, path: Path) -> bool:
-        return path.is_dir() and (path / ".metadata").is_file()
+        return path.is_dir() and ((path / ".metadata").is_file() or bool(rank_metadata_files(path)))
 
     def read(self, path: Path) -> Catalog:
         index = load_dcp_index(path)
-        catalog = Catalog(format=self.name, path=path, paths=index.paths)
+        catalog = Catalog(format=self.name, path=path)
+        if index.containers:
+            catalog.paths = {n: from_dcp_path(p, index.containers) for n, p in index.paths.items()}
+            catalog.attrs[CONTAINERS_ATTR] = index.containers
+        else:
+            catalog.paths = index.paths
+        for name in index.tensors:  # columns for every tensor (merged rank files come as lists)
+            index.table(name)
+        ranks = {int(m.group(1)) for f in index.files if (m := _DATA_FILE.fullmatch(f))}
+        if ranks:
+            catalog.attrs["source_world_size"] = max(ranks) + 1
+        records = RecordColumns(index)
+        if _fast_path(path, index, records):
+            records.check(path)
+            for name, (shape, dtype, _) in index.tensors.items():
+                catalog.tensors[name] = _lazy_entry(path, name, shape, dtype, index.table(name))
+            catalog.objects = ObjectTable({name: _lazy_object(path, name, rec) for name, rec in index.objects.items()})
+            return catalog
+        placed = place_records(path, _items(index))
         for name, (shape, dtype, chunks) in index.tensors.items():
             entry = TensorEntry(name, shape, dtype)
             for box, rec in chunks:
                 if box.numel == 0:
-                    continue  # empty shards (more ranks than rows) hold no bytes
-                entry.chunks.append(Chunk(box, _chunk_region(path, name, box, dtype, rec)))
+                    continue
+                data = [(_chunk_data(path, it, placed[it]), path / it.rec.relpath) for it in _copies(index, name, rec, box, dtype)]
+                entry.chunks.append(Chunk(box, data[0][0] if len(data) == 1 else CheckedCopies(data, name)))
             catalog.tensors[name] = entry
+        loaders = {}
         for name, rec in index.objects.items():
-            if rec.transforms:
-                raise UnsupportedFormatError(f"{path / rec.relpath}: object {name!r} is stored with transforms")
-            catalog.objects[name] = load_object_blob(path / rec.relpath, rec.offset, rec.length, lambda r: r.read_all())
-        ranks = {int(r.relpath.split("_")[2]) for _, (_, _, cs) in index.tensors.items() for _, r in cs
-                 if r.relpath.startswith("__") and r.relpath.count("_") >= 3 and r.relpath.split("_")[2].isdigit()}
-        if ranks:
-            catalog.attrs["source_world_size"] = max(ranks) + 1
+            first, *others = _copies(index, name, rec)
+            loaders[name] = _object_loader(path, first, placed[first])
+            if others:
+                loaders[name] = same_bytes(path, name, [it.rec for it in (first, *others)], loaders[name])
+        catalog.objects = ObjectTable(loaders)
         return catalog
 
     def writer(self, dst: Path, **options: Any) -> DCPWriter:
@@ -116,9 +208,9 @@ class DCPWriter:
             for box, rank in zip(t.boxes, t.ranks):
                 add(rank, (t.name, box.offsets), self._blob(Piece(t.name, box, t.dtype)))
         for name, value in target.objects.items():
-            buf = io.BytesIO()
-            torch.save(value, buf)  # our own in-memory value, not user input
-            add(0, (name, ()), [buf.getvalue()])
+            # What torch.save writes, without torch.save's imports: an opted-in class (an inert
+            # stand-in) is written back under its own name (reshard.safe_pickle.allow_classes).
+            add(0, (name, ()), [torch_save_bytes(value)])
         # A rank that stores nothing (its shards are replicas kept by others) gets no file.
         return [f for i, f in enumerate(files) if f.segments or i == 0]
 
@@ -140,8 +232,12 @@ class DCPWriter:
             chunks = tuple(ChunkRecord(b.offsets, b.sizes, *self._records[(t.name, b.offsets)]) for b in t.boxes)
             tensors[t.name] = TensorRecord(t.dtype, t.shape, chunks)
         objects = {name: self._records[(name, ())] for name in target.objects}
-        planner_data = {name: target.nested_path(name) for name in (*tensors, *objects)}
-        (staging / ".metadata").write_bytes(metadata_bytes(tensors, objects, planner_data))
+        # Paths as torch's dcp.save spells them (dict keys as strings), so torch's readers
+        # rebuild what they would from their own save; the int keys and tuples it cannot
+        # express ride beside them, for reshard's reader.
+        containers = dict(target.attrs.get(CONTAINERS_ATTR) or {})
+        planner_data = {name: dcp_path(target.nested_path(name), containers) for name in (*tensors, *objects)}
+        (staging / ".metadata").write_bytes(metadata_bytes(tensors, objects, planner_data, containers))
 
     def notices(self, target: Target) -> list[str]:
         return []

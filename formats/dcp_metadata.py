@@ -5,55 +5,100 @@ so a crafted ``.metadata`` runs code on load. We unpickle with an allow-list tha
 class names to inert records of our own (nothing of torch.distributed is imported or
 constructed), then check the structure: every tensor's chunks tile it exactly once, every
 chunk has a storage record, and every record names a file inside the checkpoint folder.
+
+A folder saved with ``use_collectives=False`` has no ``.metadata`` but one
+``__{rank}.metadata`` per rank; those are merged first (``dcp_ranks``) and checked as one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from reshard import _torch_compat
-from reshard.boxes import Box, tiles_exactly
+from reshard.boxes import Box, tiles_columns
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from reshard.safe_pickle import safe_loads
 
-__all__ = ["StorageRecord", "DCPIndex", "load_dcp_index"]
+__all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "load_dcp_index", "read_metadata_file"]
 
 _MAX_METADATA_BYTES = 1 << 30
 
 
 class _Record:
-    """One DCP metadata object as plain attributes, filled by pickle's BUILD step."""
+    """A DCP metadata object as plain attributes, filled by pickle's BUILD step.
+
+    Each stand-in keeps only the fields reshard reads, in ``__slots__``: a 2048-rank checkpoint
+    has millions of chunk records, and a slotted object is a fifth of a dict-backed one (and
+    faster to fill than torch's own dataclasses). Like torch's dataclasses, those that are not
+    frozen cannot be hashed, so a file that uses one as a key is refused here as torch refuses it."""
+
+    __slots__: tuple[str, ...] = ()
+    __hash__ = None  # type: ignore[assignment]
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and all(isinstance(x, (dict, type(None))) for x in state):
-            state = {**(state[0] or {}), **(state[1] or {})}  # (__dict__, __slots__) state
-        if not isinstance(state, dict):
-            raise ValueError(f"unexpected state for {type(self).__name__}")  # safe_loads adds the file name
-        self.__dict__.update({k: v for k, v in state.items() if isinstance(k, str)})
+        for name in self.__slots__:
+            object.__setattr__(self, name, _as_dict(self, state).get(name))
+
+
+def _as_dict(obj: _Record, state: Any) -> dict:
+    if type(state) is dict:
+        return state
+    if isinstance(state, tuple) and len(state) == 2 and all(isinstance(x, (dict, type(None))) for x in state):
+        return {**(state[0] or {}), **(state[1] or {})}  # (__dict__, __slots__) state
+    raise ValueError(f"unexpected state for {type(obj).__name__}")  # safe_loads adds the file name
 
 
 class Metadata(_Record):
-    state_dict_metadata: Any = None
-    planner_data: Any = None
-    storage_data: Any = None
+    # reshard_containers: written by reshard beside torch's fields (reshard.structure)
+    __slots__ = ("state_dict_metadata", "planner_data", "storage_data", "reshard_containers")
 
 
 class TensorStorageMetadata(_Record):
-    properties: Any = None
-    size: Any = None
-    chunks: Any = ()
+    __slots__ = ("properties", "size", "chunks")
 
 
 class BytesStorageMetadata(_Record):
-    pass
+    __slots__ = ()
+
+
+class ChunkStorageMetadata(_Record):
+    __slots__ = ("offsets", "sizes")
+
+    def __setstate__(self, state: Any) -> None:  # one per chunk: written out for speed
+        state = state if type(state) is dict else _as_dict(self, state)
+        self.offsets, self.sizes = state.get("offsets"), state.get("sizes")
+
+
+class StorageMeta(_Record):
+    __slots__ = ()
+
+
+class MetadataIndex(_Record):
+    __slots__ = ("fqn", "offset", "index")
+    __hash__ = object.__hash__  # frozen in torch: storage_data's keys
+
+    def __setstate__(self, state: Any) -> None:
+        state = state if type(state) is dict else _as_dict(self, state)
+        self.fqn, self.offset, self.index = state.get("fqn"), state.get("offset"), state.get("index")
+
+
+class StorageInfo(_Record):
+    __slots__ = ("relative_path", "offset", "length", "transform_descriptors")
+
+    def __setstate__(self, state: Any) -> None:
+        state = state if type(state) is dict else _as_dict(self, state)
+        self.relative_path, self.offset, self.length = state.get("relative_path"), state.get("offset"), state.get("length")
+        self.transform_descriptors = state.get("transform_descriptors")
 
 
 class _TensorProperties(_Record):
-    dtype: Any = None
+    __slots__ = ("dtype",)
 
     def __setstate__(self, state: Any) -> None:
         # DCP pickles (dtype, layout, requires_grad, memory format code, pin_memory).
@@ -64,23 +109,44 @@ class _TensorProperties(_Record):
 
 
 def _memory_format_code(value: Any) -> int:
-    if not isinstance(value, int):
-        raise ValueError(f"memory format code {value!r} is not an integer")  # safe_loads adds the file name
+    """torch's _MEM_FORMAT_ENCODING(value): contiguous, channels_last, preserve (0, 1, 2)."""
+    if type(value) is not int or value not in (0, 1, 2):
+        raise ValueError(f"memory format code {value!r} is not one of torch's (0, 1, 2)")  # safe_loads adds the file name
+    return value
+
+
+class _SavePlanRecord(_Record):
+    """Megatron-Core adds every rank's ``SavePlan`` to ``Metadata`` (``all_local_plans``):
+    read as data and dropped, because the chunks and storage records say all of it again."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _write_item_type(value: Any) -> int:
+    """torch's ``WriteItemType(value)``, an enum of 1 (tensor), 2 (shard), 3 (bytes)."""
+    if type(value) is not int or value not in (1, 2, 3):
+        raise ValueError(f"WriteItemType {value!r} is not one of torch's (1, 2, 3)")  # safe_loads adds the file name
     return value
 
 
 _DCP = "torch.distributed.checkpoint.metadata"
+_PLANNER = "torch.distributed.checkpoint.planner"
 _GLOBALS: dict[tuple[str, str], Any] = {
     (_DCP, "Metadata"): Metadata,
     (_DCP, "TensorStorageMetadata"): TensorStorageMetadata,
     (_DCP, "BytesStorageMetadata"): BytesStorageMetadata,
-    (_DCP, "ChunkStorageMetadata"): type("ChunkStorageMetadata", (_Record,), {}),
+    (_DCP, "ChunkStorageMetadata"): ChunkStorageMetadata,
     (_DCP, "TensorProperties"): _TensorProperties,
-    (_DCP, "StorageMeta"): type("StorageMeta", (_Record,), {}),
-    (_DCP, "MetadataIndex"): type("MetadataIndex", (_Record,), {}),
+    (_DCP, "StorageMeta"): StorageMeta,
+    (_DCP, "MetadataIndex"): MetadataIndex,
     (_DCP, "_MEM_FORMAT_ENCODING"): _memory_format_code,
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): type("StorageInfo", (_Record,), {}),
-    ("torch", "Size"): torch.Size,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): StorageInfo,
+    **{(_PLANNER, n): _SavePlanRecord for n in ("SavePlan", "WriteItem", "TensorWriteData")},
+    (_PLANNER, "WriteItemType"): _write_item_type,
+    ("torch", "Size"): tuple,  # a torch.Size is a tuple; building torch's costs more and gives nothing here
     ("torch.serialization", "_get_layout"): _torch_compat.get_layout,
     ("pathlib", "PosixPath"): __import__("pathlib").PurePosixPath,
     ("pathlib", "WindowsPath"): __import__("pathlib").PureWindowsPath,
@@ -97,13 +163,77 @@ class StorageRecord:
     transforms: tuple
 
 
+class ChunkTable:
+    """One tensor's chunks as columns, in ``.metadata``'s order (empty shards included):
+    boxes as ``offsets`` / ``sizes`` arrays ``[n, ndim]``, and the record of each as a file
+    number (into ``files``, each name kept once), a byte offset and a length. A 2048-rank
+    checkpoint has millions of chunks: held as objects they would cost more memory and time
+    than the rest of the conversion plans. Iterating gives ``(Box, StorageRecord)`` pairs for
+    code that wants objects (a few tensors at a time)."""
+
+    __slots__ = ("offsets", "sizes", "file", "start", "length", "transforms", "files")
+
+    def __init__(self, offsets: np.ndarray, sizes: np.ndarray, file: np.ndarray, start: np.ndarray,
+                 length: np.ndarray, files: list[str], transforms: dict[int, tuple] | None = None) -> None:
+        self.offsets, self.sizes, self.file, self.start, self.length = offsets, sizes, file, start, length
+        self.files, self.transforms = files, transforms or {}
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[Box, StorageRecord]], ndim: int, files: list[str]) -> ChunkTable:
+        ids = {f: i for i, f in enumerate(files)}
+        for _, rec in pairs:
+            if rec.relpath not in ids:
+                ids[rec.relpath] = len(files)
+                files.append(rec.relpath)
+        shape = (len(pairs), ndim)
+        return cls(np.array([b.offsets for b, _ in pairs], dtype=np.int64).reshape(shape),
+                   np.array([b.sizes for b, _ in pairs], dtype=np.int64).reshape(shape),
+                   np.array([ids[r.relpath] for _, r in pairs], dtype=np.int32),
+                   np.array([r.offset for _, r in pairs], dtype=np.int64),
+                   np.array([r.length for _, r in pairs], dtype=np.int64), files,
+                   {i: r.transforms for i, (_, r) in enumerate(pairs) if r.transforms})
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+    def box(self, i: int) -> Box:
+        return Box(tuple(self.offsets[i].tolist()), tuple(self.sizes[i].tolist()))
+
+    def record(self, i: int) -> StorageRecord:
+        return StorageRecord(self.files[self.file[i]], int(self.start[i]), int(self.length[i]), self.transforms.get(i, ()))
+
+    def __getitem__(self, i: int) -> tuple[Box, StorageRecord]:
+        return self.box(i), self.record(i)
+
+    def __iter__(self) -> Iterator[tuple[Box, StorageRecord]]:
+        return (self[i] for i in range(len(self)))
+
+    def nonempty(self) -> np.ndarray:
+        """Indices of the chunks that hold elements (more ranks than rows leave empty shards)."""
+        return np.flatnonzero(self.sizes.prod(axis=1) > 0) if self.sizes.shape[1] else np.arange(len(self))
+
+
 @dataclass
 class DCPIndex:
-    """The validated content of ``.metadata``."""
+    """The validated content of ``.metadata``.
 
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, list[tuple[Box, StorageRecord]]]]
+    ``copies`` holds, for a chunk (``(name, offsets)``) or an object (``(name, ())``) that
+    several ranks each wrote (``use_collectives=False``), the other ranks' records; the record
+    in ``tensors`` / ``objects`` is the lowest rank's."""
+
+    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, ChunkTable | list[tuple[Box, StorageRecord]]]]
     objects: dict[str, StorageRecord]
     paths: dict[str, tuple]
+    containers: dict[tuple, str] = field(default_factory=dict)
+    copies: dict[tuple[str, tuple[int, ...]], list[StorageRecord]] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+
+    def table(self, name: str) -> ChunkTable:
+        shape, _, chunks = self.tensors[name]
+        if not isinstance(chunks, ChunkTable):  # merged from several ranks' files
+            chunks = ChunkTable.from_pairs(list(chunks), len(shape), self.files)
+            self.tensors[name] = (shape, self.tensors[name][1], chunks)
+        return chunks
 
 
 def _ints(value: Any, where: str) -> tuple[int, ...]:
@@ -111,85 +241,177 @@ def _ints(value: Any, where: str) -> tuple[int, ...]:
         out = tuple(value)
     except TypeError:
         raise CorruptCheckpointError(f"{where} is not a sequence of integers") from None
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in out):
+    if not all(type(v) is int for v in out):
         raise CorruptCheckpointError(f"{where} is not a sequence of integers")
     return out
 
 
-def _record(info: Any, where: str, root: Path, inside: dict[str, bool]) -> StorageRecord:
-    if type(info).__name__ != "StorageInfo":
+class _Files:
+    """Data file names, each checked once and numbered once (thousands of chunks share one)."""
+
+    def __init__(self, root: Path, names: list[str]) -> None:
+        self.root, self.names, self.ids = root, names, {n: i for i, n in enumerate(names)}
+
+    def id(self, rel: Any, where: str) -> int:
+        found = self.ids.get(rel) if isinstance(rel, str) else None
+        if found is not None:
+            return found
+        if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or ".." in Path(rel).parts:
+            raise UnsafeCheckpointError(f"{where}: data file {rel!r} is outside the checkpoint folder")
+        if not (self.root / rel).resolve().is_relative_to(self.root.resolve()):
+            raise UnsafeCheckpointError(f"{where}: data file {rel!r} resolves outside the checkpoint folder")
+        self.ids[rel] = len(self.names)
+        self.names.append(rel)
+        return self.ids[rel]
+
+
+def _record(info: Any, where: str, files: _Files) -> tuple[int, int, int, tuple]:
+    """(file number, offset, length, transforms) of a storage record, validated."""
+    if type(info) is not StorageInfo:
         raise CorruptCheckpointError(f"{where}: storage record has type {type(info).__name__}")
-    rel = getattr(info, "relative_path", None)
-    if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or ".." in Path(rel).parts:
-        raise UnsafeCheckpointError(f"{where}: data file {rel!r} is outside the checkpoint folder")
-    if rel not in inside:  # a few files hold thousands of chunks: resolve each file once
-        inside[rel] = (root / rel).resolve().is_relative_to(root.resolve())
-    if not inside[rel]:
-        raise UnsafeCheckpointError(f"{where}: data file {rel!r} resolves outside the checkpoint folder")
-    for field_name in ("offset", "length"):
-        v = getattr(info, field_name, None)
-        if not isinstance(v, int) or v < 0:
-            raise CorruptCheckpointError(f"{where}: storage record {field_name} is {v!r}")
-    return StorageRecord(rel, info.offset, info.length, tuple(getattr(info, "transform_descriptors", None) or ()))
+    file = files.id(info.relative_path, where)
+    offset, length = info.offset, info.length
+    if type(offset) is not int or offset < 0:
+        raise CorruptCheckpointError(f"{where}: storage record offset is {offset!r}")
+    if type(length) is not int or length < 0:
+        raise CorruptCheckpointError(f"{where}: storage record length is {length!r}")
+    transforms = info.transform_descriptors
+    return file, offset, length, tuple(transforms) if transforms else ()
 
 
 def load_dcp_index(root: Path) -> DCPIndex:
+    """``root/.metadata``, or every ``root/__{rank}.metadata`` merged; each tensor's chunks
+    checked to tile it exactly once."""
     meta_path = root / ".metadata"
-    if not meta_path.is_file():
-        raise CheckpointNotFoundError(f"{root}: no .metadata file; not a DCP checkpoint folder")
+    if meta_path.is_file():
+        index, where = read_metadata_file(meta_path, root), f"{meta_path}"
+    else:  # dcp_ranks builds on this module: imported here, not at the top
+        from reshard.formats.dcp_ranks import merged_rank_index, rank_metadata_files
+
+        ranks = rank_metadata_files(root)
+        if not ranks:
+            raise CheckpointNotFoundError(f"{root}: no .metadata file; not a DCP checkpoint folder")
+        index, where = merged_rank_index(root, ranks), f"{root}/__*.metadata"
+    for name, (shape, _, _) in index.tensors.items():
+        table = index.table(name)
+        problem = tiles_columns(shape, table.offsets, table.sizes)
+        if problem:
+            raise CorruptCheckpointError(f"{where}: {name!r}: {problem}")
+    return index
+
+
+def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
+    """One pickled ``Metadata`` (``.metadata`` or a rank's ``__R.metadata``), validated entry
+    by entry into columns; chunks are not yet checked to tile their tensors (a rank's file
+    holds only its own)."""
     size = meta_path.stat().st_size
     if size > _MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{meta_path}: {size} bytes is implausibly large for DCP metadata")
     meta = safe_loads(meta_path.read_bytes(), _GLOBALS, origin=meta_path)
-    if not isinstance(meta, Metadata) or not isinstance(meta.state_dict_metadata, dict):
+    if type(meta) is not Metadata or not isinstance(meta.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{meta_path}: does not hold DCP Metadata")
     if not isinstance(meta.storage_data, dict):
         raise CorruptCheckpointError(f"{meta_path}: has no storage records (storage_data)")
-
-    records: dict[tuple[str, tuple[int, ...]], StorageRecord] = {}
-    inside: dict[str, bool] = {}
+    files = _Files(root, [])
+    # Each record, by name: torch writes a record's chunk position as MetadataIndex.index, so
+    # most records find their chunk without a lookup table; the offsets still have to match.
+    records: dict[str, list[tuple[tuple[int, ...], Any, tuple[int, int, int, tuple]]]] = {}
     for key, info in meta.storage_data.items():
-        fqn, offset = getattr(key, "fqn", None), getattr(key, "offset", None)
-        if not isinstance(fqn, str):
+        fqn, offset = key.fqn, key.offset
+        if type(key) is not MetadataIndex or not isinstance(fqn, str):
             raise CorruptCheckpointError(f"{meta_path}: storage key {key!r} has no name")
         offs = () if offset is None else _ints(offset, f"{meta_path}: {fqn} storage offset")
-        records[(fqn, offs)] = _record(info, f"{meta_path}: {fqn}", root, inside)
+        records.setdefault(fqn, []).append((offs, key.index, _record(info, f"{meta_path}: {fqn}", files)))
+    meta.storage_data = None  # its records are in ``records`` now; let the objects go
 
     tensors, objects = {}, {}
     for name, md in meta.state_dict_metadata.items():
         where = f"{meta_path}: {name!r}"
         if not isinstance(name, str):
             raise CorruptCheckpointError(f"{meta_path}: entry name {name!r} is not a string")
-        if isinstance(md, BytesStorageMetadata):
-            rec = records.get((name, ())) or records.get((name, (0,)))
+        recs = records.get(name, [])
+        if type(md) is BytesStorageMetadata:
+            rec = next((r for offs, _, r in recs if offs in ((), (0,))), None)
             if rec is None:
                 raise CorruptCheckpointError(f"{where}: object has no storage record")
-            objects[name] = rec
+            objects[name] = StorageRecord(files.names[rec[0]], rec[1], rec[2], rec[3])
             continue
-        if not isinstance(md, TensorStorageMetadata):
+        if type(md) is not TensorStorageMetadata:
             raise CorruptCheckpointError(f"{where}: unknown entry type {type(md).__name__}")
         shape = _ints(md.size, f"{where} size")
-        dtype = getattr(md.properties, "dtype", None) if isinstance(md.properties, _TensorProperties) else None
+        dtype = md.properties.dtype if type(md.properties) is _TensorProperties else None
         if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
             raise CorruptCheckpointError(f"{where}: invalid dtype {dtype!r} or shape {shape}")
-        chunks = []
         if not isinstance(md.chunks, (list, tuple)):
             raise CorruptCheckpointError(f"{where}: chunk list is {type(md.chunks).__name__}")
-        for c in md.chunks:
-            box = Box(_ints(getattr(c, "offsets", None), f"{where} chunk offsets"),
-                      _ints(getattr(c, "sizes", None), f"{where} chunk sizes"))
-            rec = records.get((name, box.offsets))
-            if rec is None:
-                raise CorruptCheckpointError(f"{where}: chunk at {box.offsets} has no storage record")
-            chunks.append((box, rec))
-        problem = tiles_exactly(shape, [b for b, _ in chunks])
-        if problem:
-            raise CorruptCheckpointError(f"{where}: {problem}")
-        tensors[name] = (shape, dtype, chunks)
+        tensors[name] = (shape, dtype, _table(md.chunks, recs, len(shape), files.names, where))
+    meta.state_dict_metadata = None
 
     paths: dict[str, tuple] = {}
     if isinstance(meta.planner_data, dict):
         for name, p in meta.planner_data.items():
             if isinstance(name, str) and isinstance(p, (tuple, list)) and all(isinstance(x, (str, int)) for x in p):
                 paths[name] = tuple(p)
-    return DCPIndex(tensors, objects, paths)
+    return DCPIndex(tensors, objects, paths, _containers(meta.reshard_containers, meta_path), files=files.names)
+
+
+def _int_columns(rows: list[tuple], shape: tuple[int, int], where: str) -> np.ndarray:
+    """``rows`` (tuples from the pickle) as an int64 array, refused unless every value is an
+    int (a bool, float, string or an int past int64 makes numpy pick another kind)."""
+    if not rows or shape[1] == 0:  # no chunks, or 0-d chunks: () holds no value to check
+        return np.zeros(shape, dtype=np.int64)
+    try:
+        arr = np.array(rows)
+    except (ValueError, TypeError, OverflowError):
+        raise CorruptCheckpointError(f"{where} are not sequences of integers") from None
+    if arr.dtype.kind != "i" or arr.shape != shape:
+        raise CorruptCheckpointError(f"{where} are not sequences of integers")
+    return arr.astype(np.int64, copy=False)
+
+
+def _table(chunks: list[Any], recs: list[tuple[tuple[int, ...], Any, tuple]], ndim: int, files: list[str],
+           where: str) -> ChunkTable:
+    """The columns of one tensor: every chunk's box and the record of its bytes."""
+    n = len(chunks)
+    if any(type(c) is not ChunkStorageMetadata for c in chunks):
+        bad = next(c for c in chunks if type(c) is not ChunkStorageMetadata)
+        raise CorruptCheckpointError(f"{where}: chunk is a {type(bad).__name__}")
+    offsets = [c.offsets if type(c.offsets) is tuple else _ints(c.offsets, f"{where} chunk offsets") for c in chunks]
+    sizes = [c.sizes if type(c.sizes) is tuple else _ints(c.sizes, f"{where} chunk sizes") for c in chunks]
+    placed: list[Any] = [None] * n
+    by_offsets: dict[tuple[int, ...], int] | None = None
+    for offs, hint, rec in recs:
+        i = hint if type(hint) is int and 0 <= hint < n and offsets[hint] == offs and placed[hint] is None else None
+        if i is None:  # no usable hint: find the chunk by its offsets
+            by_offsets = by_offsets if by_offsets is not None else {o: k for k, o in enumerate(offsets)}
+            i = by_offsets.get(offs)
+            if i is None or placed[i] is not None:
+                continue  # a record of no chunk (or a second one): unused, as torch leaves it
+        placed[i] = rec
+    for k, rec in enumerate(placed):
+        if rec is None and 0 in tuple(sizes[k]):
+            # An empty chunk at the offsets of another: torch's index keys records by offsets, so
+            # both share that record, and an empty one reads nothing from it.
+            placed[k] = next((placed[j] for j, o in enumerate(offsets) if o == offsets[k] and placed[j]), None)
+    missing = next((k for k, rec in enumerate(placed) if rec is None), None)
+    if missing is not None:
+        raise CorruptCheckpointError(f"{where}: chunk at {offsets[missing]} has no storage record")
+    if any(len(o) != ndim for o in offsets) or any(len(s) != ndim for s in sizes):
+        bad = next(k for k in range(n) if len(offsets[k]) != ndim or len(sizes[k]) != ndim)
+        raise CorruptCheckpointError(f"{where}: chunk {offsets[bad]}+{sizes[bad]} has rank {len(sizes[bad])}, "
+                                     f"tensor has rank {ndim}")
+    shape = (n, ndim)
+    return ChunkTable(_int_columns(offsets, shape, f"{where} chunk offsets"), _int_columns(sizes, shape, f"{where} chunk sizes"),
+                      np.array([r[0] for r in placed], dtype=np.int32), np.array([r[1] for r in placed], dtype=np.int64),
+                      np.array([r[2] for r in placed], dtype=np.int64), files,
+                      {k: r[3] for k, r in enumerate(placed) if r[3]})
+
+
+def _containers(value: Any, meta_path: Path) -> dict[tuple, str]:
+    if value is None:
+        return {}
+    ok = isinstance(value, dict) and all(
+        isinstance(k, tuple) and all(type(x) in (str, int) for x in k) and v in ("dict", "tuple") for k, v in value.items())
+    if not ok:
+        raise CorruptCheckpointError(f"{meta_path}: reshard_containers is not a map of nested paths to 'dict'/'tuple'")
+    return dict(value)

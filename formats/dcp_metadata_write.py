@@ -78,6 +78,15 @@ class Metadata:
     storage_data: Any = None
     storage_meta: StorageMeta | None = None
     version: str | None = None
+    # Not torch's: int-keyed dicts and tuples that planner_data cannot express (torch's reader
+    # keeps unknown attributes and ignores them; reshard's restores the structure from it).
+    reshard_containers: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if not state.get("reshard_containers"):
+            del state["reshard_containers"]
+        return state
 
 
 @dataclass
@@ -122,9 +131,9 @@ def _rename_globals(data: bytes) -> bytes:
 
 
 def metadata_bytes(tensors: dict[str, TensorRecord], objects: dict[str, tuple[str, int, int]],
-                   planner_data: dict[str, tuple]) -> bytes:
+                   planner_data: dict[str, tuple], containers: dict[tuple, str] | None = None) -> bytes:
     """The pickle of a DCP ``Metadata`` for these tensors (chunks in storage order) and byte
-    objects (name -> (relpath, offset, length))."""
+    objects (name -> (relpath, offset, length)); ``containers``: see ``reshard.structure``."""
     sdm: dict[str, Any] = {}
     storage: dict[MetadataIndex, _StorageInfo] = {}
     for name, t in tensors.items():
@@ -135,5 +144,6 @@ def metadata_bytes(tensors: dict[str, TensorRecord], objects: dict[str, tuple[st
     for name, (relpath, offset, length) in objects.items():
         sdm[name] = BytesStorageMetadata()
         storage[MetadataIndex(name)] = _StorageInfo(relpath, offset, length)
-    meta = Metadata(sdm, planner_data=planner_data, storage_data=storage, storage_meta=StorageMeta(), version="1.0.0")
+    meta = Metadata(sdm, planner_data=planner_data, storage_data=storage, storage_meta=StorageMeta(), version="1.0.0",
+                    reshard_containers=containers or None)
     return _rename_globals(pickle.dumps(meta, protocol=2))

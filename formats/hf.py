@@ -3,21 +3,25 @@
 Two steps, because an HF folder holds less than a training checkpoint and under other names:
 
 1. ``export_catalog`` keeps the model tensors only (optimizer and training state are dropped,
-   with a notice), removes the checkpoint's ``model`` section, maps the project's training
-   names to HF Llama names when it finds them (the ``titan-to-hf`` key map, q/k permutation
-   included), finds the config (carried from an HF source, or built from
-   ``train.model_config``), and writes tied embeddings once, the HF way: ``lm_head.weight`` is
-   left out when ``tie_word_embeddings`` is set, after checking it equals the embedding.
+   with a notice), removes the checkpoint's model section (whatever its tool calls it), maps
+   torchtitan names to HF names when it finds them (the ``titan-to-hf`` key map of the model's
+   family: q/k permutation, grouped experts, buffers HF lacks; or the map its reader recorded,
+   ``megatron-to-hf`` for Megatron-Core), finds the config (``--config``,
+   carried from an HF source, or built from ``train.model_config``; none is an error), the
+   tokenizer and other side files (``--hf-assets``, or the source folder), and writes tied
+   embeddings once, the HF way: ``lm_head.weight`` is left out when ``tie_word_embeddings``
+   is set, after checking it equals the embedding.
 2. ``HFWriter`` is the safetensors writer with the Hub's conventions: ``model.safetensors`` or
    ``model-0000i-of-0000n.safetensors`` shards of ``--max-shard-size`` (5GB by default) with
-   ``model.safetensors.index.json``, ``{"format": "pt"}`` metadata, then ``config.json``,
-   ``generation_config.json`` and a README model card.
+   ``model.safetensors.index.json``, ``{"format": "pt"}`` metadata, then ``config.json``, the
+   side files, ``generation_config.json`` and a README model card.
 
 Reading an HF folder is the safetensors format's job (detection stays there).
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +29,13 @@ import torch
 
 from reshard.boxes import Box
 from reshard.catalog import Catalog, TensorEntry, Target
+from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
 from reshard.errors import UsageError
-from reshard.formats.hf_files import generation_config, llama_config, model_card, with_dtype, write_json, written_dtype
+from reshard.formats.hf_files import (ASSET_FILES, find_assets, generation_config, llama_config, model_card, with_dtype,
+                                      write_json, written_dtype)
 from reshard.formats.pieces import FileLayout
 from reshard.formats.safetensors import SafetensorsFormat, SafetensorsWriter
-from reshard.keymap import load_keymap
-from reshard.keymap_apply import located
+from reshard.keymap import load_keymap, titan_family
 from reshard.keymap_chunks import read_box
 from reshard.provenance import hf_configs, training_config
 from reshard.sizes import parse_size
@@ -57,22 +62,18 @@ def same_values(a: TensorEntry, b: TensorEntry, max_bytes: int) -> bool:
     return True
 
 
-def _model_tensors(catalog: Catalog) -> tuple[dict[str, TensorEntry], list[str]]:
+def _model_tensors(catalog: Catalog, layout: Layout) -> tuple[dict[str, TensorEntry], list[str]]:
     """(HF name -> entry) of the model's tensors, and what was left out, in words."""
-    sectioned = any(len(catalog.nested_path(n)) >= 2 and catalog.nested_path(n)[0] == "model" for n in catalog.tensors)
     kept: dict[str, TensorEntry] = {}
     optim, other = 0, []
     for name, entry in catalog.tensors.items():
-        path = catalog.nested_path(name)
-        if sectioned and path[0] == "model" and len(path) >= 2:
-            fqn = ".".join(str(p) for p in path[1:])
-            kept[fqn] = TensorEntry(fqn, entry.shape, entry.dtype, entry.chunks)
-        elif path[0] == "optim" or name.startswith("optim."):
+        p = layout.place(name)
+        if p.role == PARAM and p.fqn is not None:
+            kept[p.fqn] = entry.renamed(p.fqn)
+        elif p.role in (OPTIM_STATE, OPTIM_GROUP):
             optim += 1
-        elif sectioned:
-            other.append(name)
         else:
-            kept[name] = entry
+            other.append(name)
     notices = []
     if optim:
         notices.append(f"{optim} optimizer state tensors left out: an HF folder holds model weights only")
@@ -81,17 +82,39 @@ def _model_tensors(catalog: Catalog) -> tuple[dict[str, TensorEntry], list[str]]
     return kept, notices
 
 
-def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30) -> Catalog:
-    """The catalog an HF folder is written from: HF names, model tensors only, config in attrs."""
+def _source_assets(catalog: Catalog) -> dict[str, Path]:
+    """HF -> HF: the tokenizer and friends of the source folder travel by default."""
+    folder = catalog.path if catalog.path.is_dir() else catalog.path.parent
+    if not (folder / "config.json").is_file():
+        return {}
+    return {name: folder / name for name in ASSET_FILES if (folder / name).is_file()}
+
+
+def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str | None = None,
+                   weights_only: bool = False) -> Catalog:
+    """The catalog an HF folder is written from: HF names, model tensors only, config and the
+    side files (tokenizer, chat template, generation config) in attrs.
+
+    The config comes from ``--config`` (already in ``catalog.attrs``, see ``convert``), the HF
+    folder the checkpoint came from, or the project's training config; with none, the export
+    is refused (a folder transformers cannot load is not an export) unless ``weights_only``.
+    """
     train = training_config(catalog)
     config, gen = hf_configs(catalog)
     titan = load_keymap("titan-to-hf")
     notices: list[str] = []
-    fqns = [loc[1] for n in catalog.tensors if (loc := located(n, catalog.nested_path(n))) and loc[0] != ("optim", "state")]
-    if any(titan.route(fqn) is not None for fqn in fqns):
-        catalog = titan.apply(catalog)  # the project's training names: to HF Llama names
-        notices.append("renamed the training model's tensors to HF Llama names (titan-to-hf key map)")
-    tensors, dropped = _model_tensors(catalog)
+    layout = detect_layout(catalog)
+    fqns = [p.fqn for n in catalog.tensors if (p := layout.place(n)).role == PARAM and p.fqn is not None]
+    preset = catalog.attrs.get("hf_keymap")  # the map to HF names a reader recorded (Megatron's)
+    if isinstance(preset, str):
+        catalog = load_keymap(preset).apply(catalog)
+        notices.append(f"renamed {catalog.format} names to HF names ({preset} key map)")
+        layout = detect_layout(catalog)
+    elif any((r := titan.route(fqn)) is not None and r.names != (fqn,) for fqn in fqns):
+        catalog = titan.apply(catalog)  # torchtitan names (and our training model's): to HF names
+        notices.append(f"renamed torchtitan names to HF names (titan-to-hf key map, {titan_family(catalog)} family)")
+        layout = detect_layout(catalog)
+    tensors, dropped = _model_tensors(catalog, layout)
     notices += dropped
     if config is None and train is not None:
         tie = bool(train.get("tie_embeddings", False))
@@ -99,21 +122,25 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30) -> Catalog:
     left = [n for n in catalog.objects if not n.startswith(("hf.", "train.model_config."))]
     if left:
         notices.append(f"{len(left)} non-tensor objects (step counters, optimizer settings...) left out")
-    if config is None:
-        notices.append("no config.json: the source records none (not converted from HF, no train.model_config); "
-                       "add one before `reshard push`")
-    elif config.get("tie_word_embeddings") and _EMBED in tensors and _HEAD in tensors:
+    if config is None and not weights_only:
+        raise UsageError(f"{catalog.path} records no model config, so transformers could not load the export: give "
+                         "--config CONFIG.json|HF_DIR|REPO_ID (and --hf-assets DIR|REPO_ID for the tokenizer), "
+                         "or --weights-only for the safetensors alone")
+    if config is not None and config.get("tie_word_embeddings") and _EMBED in tensors and _HEAD in tensors:
         if not same_values(tensors[_EMBED], tensors[_HEAD], max_memory):
             raise UsageError(f"{catalog.path}: config ties the embeddings (tie_word_embeddings) but {_HEAD} differs "
                              f"from {_EMBED}; set tie_word_embeddings to false in the config or fix the checkpoint")
         del tensors[_HEAD]  # transformers re-ties it on load, as save_pretrained leaves it out
-    if config is not None and gen is None:
+    files = find_assets(assets) if assets is not None else _source_assets(catalog)
+    if config is not None and gen is None and "generation_config.json" not in files:
         gen = generation_config(config)
+    if weights_only:
+        config, gen, files = None, None, {}
     attrs: dict[str, Any] = {
-        "hf_config": config, "hf_generation_config": gen, "hf_notices": notices,
+        "hf_config": config, "hf_generation_config": gen, "hf_notices": notices, "hf_assets": files,
         "hf_source": f"the {catalog.format} checkpoint `{catalog.path.name}`",
     }
-    return Catalog(catalog.format, catalog.path, tensors=tensors, attrs=attrs)
+    return Catalog(catalog.format, catalog.path, tensors=tensors, attrs=attrs, notices=list(catalog.notices))
 
 
 class HFFormat:
@@ -149,9 +176,12 @@ class HFWriter(SafetensorsWriter):
         config, gen = target.attrs.get("hf_config"), target.attrs.get("hf_generation_config")
         if config is not None:
             write_json(staging / "config.json", with_dtype(config, written_dtype(target)))
-        if gen is not None:
+        for name, source in (target.attrs.get("hf_assets") or {}).items():
+            shutil.copyfile(source, staging / name)  # tokenizer, chat template...: copied as they are
+        if gen is not None and not (staging / "generation_config.json").exists():
             write_json(staging / "generation_config.json", gen)
-        (staging / "README.md").write_text(model_card(self.dst.name, target, config, target.attrs["hf_source"], len(files)))
+        if config is not None:
+            (staging / "README.md").write_text(model_card(self.dst.name, target, config, target.attrs["hf_source"], len(files)))
 
     def notices(self, target: Target) -> list[str]:
         return list(target.attrs.get("hf_notices", []))

@@ -3,9 +3,11 @@ and the README model card.
 
 A folder converted from HF gets back the config it came with (carried inside the checkpoint,
 see ``reshard.provenance``); a checkpoint of the project's training model gets a
-``LlamaForCausalLM`` config built from its ``ModelConfig``, with the keys both transformers
-4.x (``rope_theta``, ``torch_dtype``) and 5.x (``rope_parameters``, ``dtype``) read. The
+``LlamaForCausalLM`` config built from its ``ModelConfig``; any other checkpoint gets the one
+``--config`` names. Keys are current transformers' (``rope_parameters``, ``dtype``), and the
 dtype is always the one actually written, so ``--dtype bfloat16`` exports say bfloat16.
+Tokenizer, chat template and generation files come from ``--hf-assets`` (or the source folder,
+for HF -> HF).
 """
 
 from __future__ import annotations
@@ -21,7 +23,62 @@ import torch
 from reshard.catalog import Target
 from reshard.errors import UnsupportedFormatError
 
-__all__ = ["llama_config", "generation_config", "with_dtype", "model_card", "write_json", "written_dtype"]
+__all__ = ["llama_config", "generation_config", "with_dtype", "model_card", "write_json", "written_dtype",
+           "ASSET_FILES", "load_config", "find_assets"]
+
+# What an HF model folder holds beside its weights and config.json that users need to run
+# the model: tokenizers (fast and sentencepiece), chat templates, generation defaults.
+ASSET_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
+    "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
+    "generation_config.json", "preprocessor_config.json",
+)
+_MAX_JSON = 100_000_000
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    from reshard.errors import CorruptCheckpointError, UsageError
+
+    if not path.is_file():
+        raise UsageError(f"{path}: no {what} there")
+    if path.stat().st_size > _MAX_JSON:
+        raise CorruptCheckpointError(f"{path}: {what} is larger than {_MAX_JSON} bytes")
+    try:
+        doc = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{path}: {what} is not a JSON object")
+    return doc
+
+
+def load_config(spec: str | Path) -> dict[str, Any]:
+    """``--config``: a config.json file, a folder holding one, or a Hub repo id (read from the
+    local Hugging Face cache when offline)."""
+    from reshard.hub import hub_files
+
+    path = Path(spec)
+    if path.is_file():
+        return _read_json(path, "config.json")
+    if path.is_dir():
+        return _read_json(path / "config.json", "config.json")
+    return _read_json(hub_files(str(spec), ["config.json"], what="--config") / "config.json", "config.json")
+
+
+def find_assets(spec: str | Path) -> dict[str, Path]:
+    """``--hf-assets``: the tokenizer, chat template and generation files of a folder or Hub
+    repo id (cache when offline), by name; an empty folder is an error, not a silent no-op."""
+    from reshard.errors import UsageError
+    from reshard.hub import hub_files
+
+    folder = Path(spec)
+    if not folder.is_dir():
+        folder = hub_files(str(spec), list(ASSET_FILES), what="--hf-assets")
+    found = {name: folder / name for name in ASSET_FILES if (folder / name).is_file()}
+    if not found:
+        raise UsageError(f"--hf-assets {spec}: no tokenizer, chat template or generation config there "
+                         f"(looked for {', '.join(ASSET_FILES[:4])} ...)")
+    return found
 
 
 def llama_config(train: dict[str, Any], *, tie: bool) -> dict[str, Any]:
@@ -49,7 +106,6 @@ def llama_config(train: dict[str, Any], *, tie: bool) -> dict[str, Any]:
         "hidden_act": "silu",
         "max_position_embeddings": int(train.get("max_seq_len", 2048)),
         "rms_norm_eps": float(train.get("norm_eps", 1e-5)),
-        "rope_theta": theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -80,10 +136,12 @@ def written_dtype(target: Target) -> torch.dtype | None:
 
 
 def with_dtype(config: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
-    if dtype is None:
-        return dict(config)
-    name = str(dtype).removeprefix("torch.")
-    return {**config, "torch_dtype": name, "dtype": name}
+    """The config with the dtype actually written, under transformers' current key ``dtype``
+    (``torch_dtype`` is deprecated: dropped, not duplicated)."""
+    out = {k: v for k, v in config.items() if k != "torch_dtype"}
+    if dtype is not None:
+        out["dtype"] = str(dtype).removeprefix("torch.")
+    return out
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -104,7 +162,7 @@ def model_card(name: str, target: Target, config: dict[str, Any] | None, source:
     """README.md: what the weights were converted from, their dtype and parameter count."""
     params = sum(t.nbytes // t.dtype.itemsize for t in target.tensors.values())
     dtype = written_dtype(target)
-    arch = ", ".join((config or {}).get("architectures") or []) or "unknown (no config.json)"
+    arch = ", ".join((config or {}).get("architectures") or []) or (config or {}).get("model_type") or "not recorded"
     return "\n".join([
         "---",
         "library_name: transformers",

@@ -5,7 +5,11 @@ Reading validates every header (see ``safetensors_header``) and every index entr
 trusting it, then hands out one ``StoredRegion`` per tensor: nothing is mmap'd and no tensor
 byte is read until the engine asks for a box. Objects and nested paths that reshard wrote
 come back from ``__metadata__``; other metadata and a folder's ``config.json`` /
-``generation_config.json`` are kept in ``catalog.attrs`` for later exports.
+``generation_config.json`` are kept in ``catalog.attrs`` for later exports. A name may be in
+several files only as torch's ``HuggingFaceStorageWriter(save_distributed=True)`` stores it,
+each file's ``DCP_SHARDING_INFO`` saying which chunk it holds: those become one tensor with a
+chunk per file, checked to tile it (``dcp_safetensors``). Only a folder's own files are read:
+the ``sharded/`` folder torch's consolidation leaves beside its output is not.
 
 Writing lays files out exactly as ``safetensors.torch.save_file`` and
 ``huggingface_hub.save_torch_state_dict`` do (same header bytes, same tensor order, same
@@ -19,9 +23,10 @@ import os
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
-from reshard.boxes import full_box
-from reshard.catalog import Catalog, Chunk, NestedPath, Target, TensorEntry
+from reshard.boxes import Box, full_box
+from reshard.catalog import Catalog, NestedPath, Target
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
+from reshard.formats.dcp_safetensors import DCP_KEYS, assemble, shard_boxes
 from reshard.formats.pieces import FileLayout, Piece
 from reshard.formats.safetensors_header import (
     MAX_HEADER_SIZE,
@@ -34,6 +39,7 @@ from reshard.formats.safetensors_header import (
     unstorable,
 )
 from reshard.regions import StoredRegion
+from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
 from reshard.sizes import parse_size
 
 __all__ = ["SafetensorsFormat", "SafetensorsWriter", "INDEX_NAME", "OBJECTS_KEY", "PATHS_KEY"]
@@ -149,6 +155,12 @@ def _nested_path(file: Path, name: str, value: Any) -> NestedPath:
 
 def _take_metadata(catalog: Catalog, file: Path, metadata: dict[str, str]) -> None:
     rest = dict(metadata)
+    if CONTAINERS_KEY in rest:
+        try:
+            raw = json.loads(rest.pop(CONTAINERS_KEY))
+        except (ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{file}: __metadata__ {CONTAINERS_KEY!r} is not valid JSON ({e})") from None
+        catalog.attrs[CONTAINERS_ATTR] = containers_from_json(raw, f"{file}: __metadata__")
     objects = _decode_entries(file, OBJECTS_KEY, rest.pop(OBJECTS_KEY)) if OBJECTS_KEY in rest else {}
     paths = _decode_entries(file, PATHS_KEY, rest.pop(PATHS_KEY)) if PATHS_KEY in rest else {}
     for name, value in objects.items():
@@ -176,17 +188,18 @@ class SafetensorsFormat:
             raise CheckpointNotFoundError(f"{path}: no such file or directory")
         root, files = _source_files(path)
         catalog = Catalog(format=self.name, path=path)
-        owner: dict[str, Path] = {}
+        # A name may be in several files only as DCP's HuggingFaceStorageWriter shards it:
+        # each file's DCP_SHARDING_INFO says which chunk it holds (dcp_safetensors).
+        parts: dict[str, list[tuple[Path, StoredRegion, Box | None]]] = {}
         for file in sorted(files):
             header = read_header(file)
             _check_against_index(file, {t.name for t in header.tensors}, files[file])
+            boxes = shard_boxes(file, header)
             for t in header.tensors:
-                if t.name in owner:
-                    raise CorruptCheckpointError(f"{file}: tensor {t.name!r} is also stored in {owner[t.name]}")
-                owner[t.name] = file
                 region = StoredRegion(file, header.data_start + t.begin, t.dtype, t.shape)
-                catalog.tensors[t.name] = TensorEntry(t.name, t.shape, t.dtype, [Chunk(full_box(t.shape), region)])
-            _take_metadata(catalog, file, header.metadata)
+                parts.setdefault(t.name, []).append((file, region, boxes[t.name] if boxes else None))
+            _take_metadata(catalog, file, {k: v for k, v in header.metadata.items() if k not in DCP_KEYS})
+        catalog.tensors = {name: assemble(name, ps) for name, ps in parts.items()}
         for filename, key in _CONFIGS.items():
             if root is not None and (root / filename).is_file():
                 catalog.attrs[key] = _load_json(root / filename, filename)
@@ -257,6 +270,9 @@ class SafetensorsWriter:
         paths = {n: list(p) for n, p in target.paths.items() if n in target.tensors or n in objects}
         if paths:
             meta[PATHS_KEY] = json.dumps(paths, separators=(",", ":"))
+        containers = target.attrs.get(CONTAINERS_ATTR)
+        if paths and containers:  # int-keyed dicts and tuples, which paths alone rebuild as lists
+            meta[CONTAINERS_KEY] = json.dumps(containers_to_json(containers), separators=(",", ":"))
         return meta
 
     def layout(self, target: Target) -> list[FileLayout]:

@@ -8,6 +8,10 @@ given twice is refused, where serde would silently keep the last one. Only the h
 tensor bytes are left on disk. ``header_bytes`` writes the header the way ``save_file`` does
 (compact JSON, padded with spaces to a multiple of 8, tensors sorted by dtype then name), so
 our output is byte-identical to safetensors' own for the same tensors and metadata.
+
+A header need not start a file: DCP's safetensors serialization appends one safetensors blob
+after a rank's pickled values in each ``.distcp`` file, so ``read_header`` takes the blob's
+start and validates it as it would a file that begins there (its data must end the file).
 """
 
 from __future__ import annotations
@@ -81,12 +85,12 @@ class HeaderTensor:
 @dataclass(frozen=True)
 class Header:
     path: Path
-    data_start: int  # 8 + N: absolute offset of data_offsets 0
+    data_start: int  # start + 8 + N: absolute offset of data_offsets 0 in the file
     metadata: dict[str, str]
     tensors: list[HeaderTensor]  # in file order
 
 
-def _unicode(path: Path, s: str) -> str:
+def _unicode(path: Path | str, s: str) -> str:
     """``s`` if it is valid Unicode text. Python's JSON decoder lets ``"\\ud800"`` escapes
     through as lone surrogates, which no UTF-8 writer can encode later; serde (the Rust core)
     rejects them as invalid JSON, and so do we."""
@@ -97,7 +101,7 @@ def _unicode(path: Path, s: str) -> str:
     return s
 
 
-def _no_duplicates(path: Path):
+def _no_duplicates(path: Path | str):
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for k, v in pairs:
@@ -117,7 +121,7 @@ def _is_count(x: Any) -> bool:
     return type(x) is int and x >= 0
 
 
-def _parse_json(path: Path, raw: bytes) -> dict[str, Any]:
+def _parse_json(path: Path | str, raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -133,7 +137,7 @@ def _parse_json(path: Path, raw: bytes) -> dict[str, Any]:
     return obj
 
 
-def _metadata(path: Path, value: Any) -> dict[str, str]:
+def _metadata(path: Path | str, value: Any) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -156,7 +160,17 @@ def _checked_bits(shape: list[int], bits: int) -> int | None:
     return n
 
 
-def _tensor(path: Path, name: str, info: Any) -> HeaderTensor:
+def _torch_can_hold(shape: list[int]) -> bool:
+    """Every size and contiguous stride fits torch's int64 (strides count empty dims as 1)."""
+    stride = 1
+    for s in reversed(shape):
+        if s >= 2**63 or stride >= 2**63:
+            return False
+        stride *= max(s, 1)
+    return True
+
+
+def _tensor(path: Path | str, name: str, info: Any) -> HeaderTensor:
     where = f"{path}: tensor {name!r}"
     if not isinstance(info, dict):
         raise CorruptCheckpointError(f"{where} must be described by an object, not {type(info).__name__}")
@@ -182,6 +196,8 @@ def _tensor(path: Path, name: str, info: Any) -> HeaderTensor:
         )
     if dtype is None:
         raise UnsupportedFormatError(f"{where} has dtype {code}, which torch cannot hold")
+    if not _torch_can_hold(shape):  # valid for the Rust core when another dimension is 0
+        raise UnsupportedFormatError(f"{where} shape {shape} has sizes or strides past 2**63-1, which torch cannot hold")
     pack = _PACKED.get(code, 1)
     if pack > 1 and (not shape or shape[-1] % pack):
         raise UnsupportedFormatError(f"{where} is {code} with shape {shape}: torch needs an even last dimension")
@@ -189,7 +205,7 @@ def _tensor(path: Path, name: str, info: Any) -> HeaderTensor:
     return HeaderTensor(name, dtype, torch_shape, begin, end)
 
 
-def _check_tiling(path: Path, tensors: list[HeaderTensor], data_len: int) -> None:
+def _check_tiling(path: Path | str, tensors: list[HeaderTensor], data_len: int) -> None:
     at, last = 0, None
     for t in tensors:
         if t.begin < at:
@@ -209,27 +225,36 @@ def _check_tiling(path: Path, tensors: list[HeaderTensor], data_len: int) -> Non
         )
 
 
-def read_header(path: Path) -> Header:
-    """The validated header of one safetensors file; raises CorruptCheckpointError naming
-    the file and the field at the first inconsistency."""
+def read_header(path: Path, start: int = 0) -> Header:
+    """The validated header of the safetensors data at byte ``start`` of ``path`` (a whole
+    file by default); raises CorruptCheckpointError naming the file and the field at the first
+    inconsistency. The data must end exactly where the file does."""
+    where = f"{path}" if start == 0 else f"{path} (safetensors data at byte {start})"
     fd = os.open(path, os.O_RDONLY)
     try:
-        size = os.fstat(fd).st_size
+        size = os.fstat(fd).st_size - start
         if size < 8:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, too short for a safetensors header length (truncated?)")
-        (n,) = struct.unpack("<Q", read_exact(fd, 8, 0, path))
+            raise CorruptCheckpointError(f"{where}: {size} bytes, too short for a safetensors header length (truncated?)")
+        prefix = bytes(read_exact(fd, 8, start, path))
+        if prefix[:4] == b"PK\x03\x04":
+            # DCP's HuggingFaceStorageWriter puts non-tensor values there, as torch.save zips.
+            raise CorruptCheckpointError(
+                f"{where}: starts with a zip archive (torch.save data), not a safetensors header; "
+                "a writer stored non-tensor values in it, which safetensors cannot hold"
+            )
+        (n,) = struct.unpack("<Q", prefix)
         if n > MAX_HEADER_SIZE:
-            raise CorruptCheckpointError(f"{path}: header length {n} exceeds safetensors' limit of {MAX_HEADER_SIZE}")
+            raise CorruptCheckpointError(f"{where}: header length {n} exceeds safetensors' limit of {MAX_HEADER_SIZE}")
         if 8 + n > size:
-            raise CorruptCheckpointError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
-        raw = bytes(read_exact(fd, n, 8, path))
+            raise CorruptCheckpointError(f"{where}: header length {n} runs past the end of the file ({size} bytes)")
+        raw = bytes(read_exact(fd, n, start + 8, path))
     finally:
         os.close(fd)
-    obj = _parse_json(path, raw)
-    metadata = _metadata(path, obj.pop("__metadata__", None))
-    tensors = sorted((_tensor(path, k, v) for k, v in obj.items()), key=lambda t: (t.begin, t.end))
-    _check_tiling(path, tensors, size - 8 - n)
-    return Header(path, 8 + n, metadata, tensors)
+    obj = _parse_json(where, raw)
+    metadata = _metadata(where, obj.pop("__metadata__", None))
+    tensors = sorted((_tensor(where, k, v) for k, v in obj.items()), key=lambda t: (t.begin, t.end))
+    _check_tiling(where, tensors, size - 8 - n)
+    return Header(path, start + 8 + n, metadata, tensors)
 
 
 def header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:

@@ -26,21 +26,27 @@ from reshard.formats.torch_save import (
     CONTAINERS_ATTR,
     TORCH_SUFFIXES,
     FlatTree,
+    OnDisk,
+    RefusedLeaf,
     flatten_tree,
+    leaf_loader,
 )
-from reshard.formats.torch_zip import DTensorRef, Record, read_torch_zip
+from reshard.formats.torch_zip import DTensorRef, Record, read_torch_file
 
 from reshard.boxes import Box, full_box, tiles_exactly
-from reshard.catalog import Catalog, Chunk, TensorEntry
+from reshard.catalog import Catalog, Chunk, ObjectTable, TensorEntry
 from reshard.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    ReshardError,
+    UnsafeCheckpointError,
     UnsupportedFormatError,
 )
 from reshard.layout import Placement, shard_box
 from reshard.regions import StoredRegion
+from reshard.values import same_value, tensor_digest
 
-__all__ = ["TorchRanksFormat", "rank_files"]
+__all__ = ["TorchRanksFormat", "rank_files", "read_set", "read_trees", "complete_set", "first_refused"]
 
 _RANK = re.compile(r"(?<![a-z])rank[_-]?(\d+)(?!\d)", re.IGNORECASE)
 
@@ -145,16 +151,24 @@ def _sharded_entry(name: str, shards: list[tuple[int, Path, DTensorRef]], world_
     return TensorEntry(name, ref0.global_shape, ref0.local.dtype, list(chunks.values()))
 
 
-def _check_replicated(name: str, copies: list[tuple[Path, StoredRegion]]) -> None:
-    """Plain tensors beside DTensors are taken to be replicas (buffers, step counters): at
-    least their shapes must agree, or they are per-rank parts we cannot place."""
-    f0, r0 = copies[0]
-    for f, r in copies[1:]:
-        if (r.shape, r.dtype) != (r0.shape, r0.dtype):
-            raise UnsupportedFormatError(
-                f"{f}: plain tensor {name!r} is {r.dtype} {list(r.shape)} here but {r0.dtype} {list(r0.shape)} "
-                f"in {f0.name}: a per-rank part reshard cannot place (save it as a DTensor)"
-            )
+def _plain_copies_differ(copies: list[tuple[int, Path, StoredRegion]]) -> bool:
+    """Whether the ranks' copies of a plain tensor differ: shape, dtype or content (a SHA-256
+    per rank, streamed in slabs, so no copy is held whole)."""
+    first = copies[0][2]
+    if any((r.shape, r.dtype) != (first.shape, first.dtype) for _, _, r in copies[1:]):
+        return True
+    digests = {tensor_digest(r, r.shape, r.dtype) for _, _, r in copies}
+    return len(digests) > 1
+
+
+def _objects_differ(copies: list[tuple[int, Path, Any]]) -> bool:
+    values = [leaf_loader(v, str(f), "")() if isinstance(v, OnDisk) else v for _, f, v in copies]
+    return any(not same_value(values[0], v) for v in values[1:])
+
+
+def _per_rank(name: str, nested: tuple, rank: int) -> tuple[str, tuple]:
+    """Where rank ``rank``'s own copy of ``name`` goes: one level below it, ``rank{r}``."""
+    return f"{name}.rank{rank}", nested + (f"rank{rank}",)
 
 
 def _kind(leaf: Any) -> str:
@@ -165,21 +179,111 @@ def _placement_names(placements: tuple[Any, ...]) -> list[str]:
     return [f"{p.kind}({(p.state or {}).get('dim', '')})" if isinstance(p, Record) else repr(p) for p in placements]
 
 
-def _one_set(path: Path) -> dict[int, Path]:
+def _one_set(path: Path, groups: dict[str, dict[int, Path]]) -> dict[int, Path]:
     """rank -> file of the folder's single set of per-rank files, ranks 0..N-1 all present."""
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path}: not a folder of per-rank torch files")
-    groups = rank_files(path)
     if len(groups) != 1:
         kinds = ", ".join(sorted(g.format("*") for g in groups)) or "none"
         raise UnsupportedFormatError(
             f"{path}: expected one set of per-rank torch files, found {kinds}; put each set in its own folder"
         )
-    files = next(iter(groups.values()))
+    return complete_set(path, next(iter(groups.values())))
+
+
+def complete_set(path: Path, files: dict[int, Path]) -> dict[int, Path]:
     missing = sorted(set(range(max(files) + 1)) - set(files))
     if missing:
         raise CorruptCheckpointError(f"{path}: rank file(s) for rank {missing} are missing (found ranks {sorted(files)})")
     return dict(sorted(files.items()))
+
+
+def read_trees(files: dict[int, Path]) -> dict[int, FlatTree]:
+    return {r: flatten_tree(read_torch_file(f), str(f)) for r, f in files.items()}
+
+
+def first_refused(files: dict[int, Path], trees: dict[int, FlatTree]) -> str | None:
+    """The refusal of the first object that names a global nobody allowed, if any: reported
+    before any other problem of a folder, as the one a user must decide on first."""
+    for r, tree in trees.items():
+        for name, (_, leaf) in tree.leaves.items():
+            if isinstance(leaf, RefusedLeaf):
+                try:
+                    leaf_loader(leaf, str(files[r]), name)()
+                except UnsafeCheckpointError as e:
+                    return str(e)
+    return None
+
+
+def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, plain_per_rank: bool = False) -> Catalog:
+    """Catalog one set of rank files: DTensors from every rank's shards; plain tensors and
+    objects once when every rank holds the same value, else once per rank
+    (``NAME.rank<r>``). ``plain_per_rank``: plain tensors without any DTensor are per-rank
+    state (an RNG state), not parts reshard cannot place."""
+    for r, tree in trees.items():
+        for leaf_name, (_, leaf) in tree.leaves.items():
+            if isinstance(leaf, RefusedLeaf) and leaf.refused.endswith("ShardedTensor"):
+                raise UnsupportedFormatError(
+                    f"{files[r]}: {leaf_name!r} is an FSDP1 ShardedTensor; reshard reads DTensor (FSDP2) rank files: "
+                    "save with FSDP2, or save a DCP checkpoint (dcp.save) and convert that")
+    if LAYOUT_KEY in trees[0].leaves:  # written by reshard for a mesh
+        return read_layout_files(path, files, trees)
+    catalog = Catalog(format="torch-ranks", path=path, attrs={"source_world_size": len(files)}, objects=ObjectTable())
+    names = list(dict.fromkeys(n for t in trees.values() for n in t.leaves))
+    placements: dict[str, list[str]] = {}
+    per_rank: list[str] = []
+    for name in names:
+        held = [(r, files[r], t.leaves[name]) for r, t in trees.items() if name in t.leaves]
+        nested, leaf = held[0][2]
+        copies = [(r, f, v) for r, f, (_, v) in held]
+        refused = next(((f, v) for _, f, v in copies if isinstance(v, RefusedLeaf)), None)
+        if refused is not None:  # refused when asked for, whatever the other ranks hold
+            catalog.objects.set_lazy(name, leaf_loader(refused[1], str(refused[0]), name))
+            catalog.paths[name] = nested
+            continue
+        kinds = {_kind(v): f for _, f, v in copies}
+        if len(kinds) > 1:
+            (a, fa), (b, fb) = list(kinds.items())[:2]
+            raise CorruptCheckpointError(f"{path}: {name!r} is a {a} in {fa.name} but a {b} in {fb.name}")
+        if isinstance(leaf, DTensorRef):
+            shards = [(r, f, v) for r, f, (_, v) in held]
+            catalog.tensors[name] = _sharded_entry(name, shards, len(files), path)  # type: ignore[arg-type]
+            catalog.paths[name] = nested
+            catalog.attrs.setdefault("source_mesh", leaf.mesh_shape)
+            if leaf.mesh_dim_names:
+                catalog.attrs.setdefault("source_mesh_dim_names", tuple(leaf.mesh_dim_names))
+            placements[name] = _placement_names(leaf.placements)
+            continue
+        # Plain tensors and objects: one value when every rank holds the same one (buffers,
+        # step counters, configs); otherwise per-rank state (RNG states, per-rank counters)
+        # that no single copy stands for, so each rank's copy is kept under its own name.
+        tensor = isinstance(leaf, StoredRegion)
+        if len(held) == len(files) and not (_plain_copies_differ(copies) if tensor else _objects_differ(copies)):
+            values = [(name, nested, files[held[0][0]], leaf)]
+        else:
+            values = [(*_per_rank(name, nested, r), f, v) for r, f, v in copies]
+            per_rank.append(name)
+        for flat, where, file, value in values:
+            if flat != name and flat in names:
+                raise UnsupportedFormatError(f"{path}: {name!r} differs between rank files, and its per-rank name "
+                                             f"{flat!r} is taken by another entry")
+            if tensor:
+                catalog.tensors[flat] = TensorEntry(flat, value.shape, value.dtype, [Chunk(full_box(value.shape), value)])
+            else:
+                catalog.objects.set_lazy(flat, leaf_loader(value, str(file), flat))
+            catalog.paths[flat] = where
+    if per_rank:
+        catalog.notices.append(
+            f"{len(per_rank)} entries differ between the rank files (per-rank state such as RNG states) and are "
+            f"kept once per rank as NAME.rank<r>: {', '.join(per_rank[:8])}" + (" ..." if len(per_rank) > 8 else ""))
+    if not placements and catalog.tensors and not plain_per_rank:
+        raise UnsupportedFormatError(
+            f"{path}: the rank files hold plain tensors, no DTensors, so where each rank's part belongs is "
+            "unknown (tensor-parallel shards?); if every rank saved the same state, read one file on its own"
+        )
+    if placements:
+        catalog.attrs["source_placements"] = placements
+    if trees[0].containers:
+        catalog.attrs[CONTAINERS_ATTR] = trees[0].containers
+    return catalog
 
 
 class TorchRanksFormat:
@@ -191,47 +295,27 @@ class TorchRanksFormat:
         return any(len(files) >= 2 for files in rank_files(path).values())
 
     def read(self, path: Path) -> Catalog:
-        """Catalog the folder: DTensors from every rank, plain tensors and objects from rank 0."""
+        """Catalog the folder: one set of rank files, or verl's three (``formats/verl.py``).
+        Objects are read when asked for; one that names a global nobody allowed is refused
+        then, unless the folder cannot be read at all, when that refusal is what is reported."""
+        from reshard.formats.verl import read_verl, verl_sets
+
         path = Path(path)
-        files = _one_set(path)
-        trees: dict[int, FlatTree] = {r: flatten_tree(read_torch_zip(f), str(f)) for r, f in files.items()}
-        if LAYOUT_KEY in trees[0].leaves:  # written by reshard for a mesh
-            return read_layout_files(path, files, trees)
-        catalog = Catalog(format=self.name, path=path, attrs={"source_world_size": len(files)})
-        names = list(dict.fromkeys(n for t in trees.values() for n in t.leaves))
-        placements: dict[str, list[str]] = {}
-        for name in names:
-            held = [(r, files[r], t.leaves[name]) for r, t in trees.items() if name in t.leaves]
-            nested, leaf = held[0][2]
-            kinds = {_kind(v): f for _, f, (_, v) in held}
-            if len(kinds) > 1:
-                (a, fa), (b, fb) = list(kinds.items())[:2]
-                raise CorruptCheckpointError(f"{path}: {name!r} is a {a} in {fa.name} but a {b} in {fb.name}")
-            if isinstance(leaf, DTensorRef):
-                shards = [(r, f, v) for r, f, (_, v) in held]
-                catalog.tensors[name] = _sharded_entry(name, shards, len(files), path)  # type: ignore[arg-type]
-                catalog.attrs.setdefault("source_mesh", leaf.mesh_shape)
-                if leaf.mesh_dim_names:
-                    catalog.attrs.setdefault("source_mesh_dim_names", tuple(leaf.mesh_dim_names))
-                placements[name] = _placement_names(leaf.placements)
-            elif isinstance(leaf, StoredRegion):  # the same on every rank (buffers, step counters)
-                _check_replicated(name, [(f, v) for _, f, (_, v) in held])
-                catalog.tensors[name] = TensorEntry(name, leaf.shape, leaf.dtype, [Chunk(full_box(leaf.shape), leaf)])
-            elif held[0][0] == 0:
-                catalog.objects[name] = leaf
-            else:
-                continue
-            catalog.paths[name] = nested
-        if not placements and catalog.tensors:
-            raise UnsupportedFormatError(
-                f"{path}: the rank files hold plain tensors, no DTensors, so where each rank's part belongs is "
-                "unknown (tensor-parallel shards?); if every rank saved the same state, read one file on its own"
-            )
-        if placements:
-            catalog.attrs["source_placements"] = placements
-        if trees[0].containers:
-            catalog.attrs[CONTAINERS_ATTR] = trees[0].containers
-        return catalog
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"{path}: not a folder of per-rank torch files")
+        groups = rank_files(path)
+        sets = verl_sets(path, groups)
+        if sets is not None:
+            return read_verl(path, sets)
+        files = _one_set(path, groups)
+        trees = read_trees(files)
+        try:
+            return read_set(path, files, trees)
+        except ReshardError as e:
+            refused = None if isinstance(e, UnsafeCheckpointError) else first_refused(files, trees)
+            if refused is not None:
+                raise UnsafeCheckpointError(refused) from e
+            raise
 
     def writer(self, dst: Path, **options: Any) -> TorchRanksWriter:
         return TorchRanksWriter()

@@ -21,11 +21,12 @@ from reshard.formats.torch_save import (
     FlatTree,
     build_tree,
     embed_tensors,
+    leaf_loader,
 )
 from reshard.formats.torch_zip_write import PieceRef, torch_save_segments
 
 from reshard.boxes import Box, tiles_exactly
-from reshard.catalog import Catalog, Chunk, Target, TensorEntry
+from reshard.catalog import Catalog, Chunk, ObjectTable, Target, TensorEntry
 from reshard.errors import CorruptCheckpointError, UsageError
 from reshard.layout import format_placement, parse_placement, rank_coordinate, shard_box
 from reshard.regions import StoredRegion
@@ -119,14 +120,16 @@ def read_layout_files(path: Path, files: dict[int, Path], trees: dict[int, FlatT
         why = tiles_exactly(entry.shape, [c.box for c in entry.chunks])
         if why is not None:
             raise CorruptCheckpointError(f"{path}: the rank files' shards of {name!r} do not make up the tensor: {why}")
+    objects = ObjectTable()
     for name, (nested, leaf) in trees[0].leaves.items():
         if name == LAYOUT_KEY or name in catalog.tensors:
             continue
         if isinstance(leaf, StoredRegion):  # a tensor inside an object: whole, from rank 0
             catalog.tensors[name] = TensorEntry(name, leaf.shape, leaf.dtype, [Chunk(Box((0,) * len(leaf.shape), leaf.shape), leaf)])
         else:
-            catalog.objects[name] = leaf
+            objects.set_lazy(name, leaf_loader(leaf, str(files[0]), name))
         catalog.paths[name] = nested
+    catalog.objects = objects
     record0 = _record(trees[0], files[0])
     catalog.attrs["source_mesh"] = tuple(record0["mesh"]["shape"])
     catalog.attrs["source_mesh_dim_names"] = tuple(record0["mesh"].get("names", ()))

@@ -5,10 +5,16 @@ storage, laid out as segments around payloads the engine streams in later (readi
 CRC fields of streamed payloads are left 0, as torch's own
 ``serialization.config.save.compute_crc32 = False`` writes them; torch's reader does not check
 them, and computing them would force every byte through user space.
+
+Stand-ins for classes the user allowed (``reshard.inert``) are written back under their
+original global names, so the output loads wherever the input loaded. The C pickler can name
+a class only by importing its module, so a tree holding stand-ins is pickled by the
+pure-Python pickler, which writes those names itself; every other tree by the C one.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
 import io
 import pickle
 import struct
@@ -20,9 +26,12 @@ from typing import Any
 import torch
 
 from reshard import _torch_compat
+from reshard.errors import UnsafeCheckpointError
 from reshard.formats.pieces import Piece, Segment, segment_size
+from reshard.inert import Inert, Refused
+from reshard.object_walk import replace_in
 
-__all__ = ["PieceRef", "torch_pickle", "zip_segments", "torch_save_segments"]
+__all__ = ["PieceRef", "torch_pickle", "zip_segments", "torch_save_segments", "embed_tensors", "torch_save_bytes"]
 
 _ALIGN = 64
 
@@ -36,6 +45,27 @@ class PieceRef:
     shape: tuple[int, ...]
 
 
+def _reduce_piece(obj: PieceRef) -> tuple:
+    n = 1
+    for s in obj.shape:
+        n *= s
+    stride, acc = [], 1
+    for s in reversed(obj.shape):
+        stride.append(acc)
+        acc *= s
+    args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, torch.Size(obj.shape),
+            tuple(reversed(stride)), False, OrderedDict(), obj.dtype)
+    return (_torch_compat.rebuild_tensor_v3, args)
+
+
+class _HasStandins(Exception):
+    """The tree holds stand-ins: pickle it again with ``_StandinPickler``."""
+
+
+def _is_standin_class(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, (Inert, Refused)) and obj not in (Inert, Refused)
+
+
 class _TorchPickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _StorageKey):
@@ -44,17 +74,33 @@ class _TorchPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, PieceRef):
-            n = 1
-            for s in obj.shape:
-                n *= s
-            stride, acc = [], 1
-            for s in reversed(obj.shape):
-                stride.append(acc)
-                acc *= s
-            args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, torch.Size(obj.shape),
-                    tuple(reversed(stride)), False, OrderedDict(), obj.dtype)
-            return (_torch_compat.rebuild_tensor_v3, args)
+            return _reduce_piece(obj)
+        if isinstance(obj, (Inert, Refused)) or _is_standin_class(obj):
+            raise _HasStandins
         return NotImplemented
+
+
+class _StandinPickler(pickle._Pickler):  # type: ignore[name-defined]
+    """The pure-Python pickler, for trees that hold stand-ins: a stand-in class is written as
+    the global the input named (Python 2 spellings restored, as pickle's protocol 2 does)."""
+
+    persistent_id = _TorchPickler.persistent_id
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _reduce_piece(obj) if isinstance(obj, PieceRef) else NotImplemented
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if not _is_standin_class(obj):
+            return super().save_global(obj, name)
+        if issubclass(obj, Refused):
+            raise UnsafeCheckpointError(f"{obj.refused} was never read (not allowed); it cannot be written")
+        module, qualname = obj.inert_module, obj.inert_qualname
+        if (module, qualname) in _compat_pickle.REVERSE_NAME_MAPPING:
+            module, qualname = _compat_pickle.REVERSE_NAME_MAPPING[(module, qualname)]
+        elif module in _compat_pickle.REVERSE_IMPORT_MAPPING:
+            module = _compat_pickle.REVERSE_IMPORT_MAPPING[module]
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
+        self.memoize(obj)
 
 
 @dataclass(frozen=True)
@@ -64,10 +110,39 @@ class _StorageKey:
 
 
 def torch_pickle(obj: Any) -> bytes:
-    """Pickle ``obj`` (containers, plain values, PieceRef) as torch.save's data.pkl would."""
+    """Pickle ``obj`` (containers, plain values, stand-ins, PieceRef) as torch.save's data.pkl would."""
     buf = io.BytesIO()
-    _TorchPickler(buf, protocol=2).dump(obj)
+    try:
+        _TorchPickler(buf, protocol=2).dump(obj)
+    except _HasStandins:
+        buf = io.BytesIO()
+        _StandinPickler(buf, protocol=2).dump(obj)
     return buf.getvalue()
+
+
+def embed_tensors(value: Any, records: dict[str, Segment]) -> Any:
+    """``value`` with every in-memory tensor (objects read from DCP byte items may hold
+    some, in any container or stand-in) replaced by a storage record of its bytes, as
+    torch.save would store it."""
+
+    def embed(item: Any) -> Any:
+        if not isinstance(item, torch.Tensor):
+            return item
+        t = item.detach().cpu().contiguous()
+        key = str(len(records))
+        records[key] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return PieceRef(key, t.dtype, tuple(t.shape))
+
+    return replace_in(value, embed)
+
+
+def torch_save_bytes(value: Any) -> bytes:
+    """What ``torch.save(value, buffer)`` writes, for a value read from a checkpoint (a DCP
+    byte object): tensors anywhere in it stored as records, stand-ins under their original
+    names (torch.save would import their modules to name them, or fail)."""
+    records: dict[str, Segment] = {}
+    tree = embed_tensors(value, records)
+    return b"".join(torch_save_segments(tree, records))  # type: ignore[arg-type]
 
 
 _DOS_DATE = (0, 33)  # 1980-01-01 00:00, as zip wants a date; torch writes the same zeros

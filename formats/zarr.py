@@ -22,7 +22,6 @@ encoding, transpose / big-endian / zstd / gzip / blosc / crc32c codecs, missing 
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
 import os
@@ -30,7 +29,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
@@ -40,8 +38,10 @@ from reshard.formats.torch_zip import load_object_blob
 from reshard.formats.zarr_chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress
 from reshard.formats.zarr_grid import ArrayLayout, chunk_segments, plan_arrays
 from reshard.formats.zarr_meta import MAX_JSON_SIZE, ZARR_JSON, array_meta_json, group_meta_json, parse_array_meta, parse_json
-from reshard.formats.zarr_store import LocalStore, Store, ensure_open_files, open_store
+from reshard.formats.zarr_store import LocalStore, Store, open_store
+from reshard.formats.torch_zip_write import torch_save_bytes
 from reshard.regions import StoredRegion
+from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
 
 __all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "seal_chunk", "OBJECTS_FILE"]
 
@@ -155,6 +155,8 @@ def _take_root_attributes(store: Store, attrs: dict[str, Any], catalog: Catalog)
     catalog.objects.update(_decoded(where, OBJECTS_KEY, rest.pop(OBJECTS_KEY, {})))
     if rest.pop(PICKLED_KEY, None):
         catalog.objects.update(_pickled_objects(store, where))
+    if CONTAINERS_KEY in rest:
+        catalog.attrs[CONTAINERS_ATTR] = containers_from_json(rest.pop(CONTAINERS_KEY), where)
     for name, path in _decoded(where, PATHS_KEY, rest.pop(PATHS_KEY, {})).items():
         if not isinstance(path, list) or not all(type(p) in (str, int) for p in path):
             raise CorruptCheckpointError(f"{where}: {PATHS_KEY} entry {name!r} is not a list of keys")
@@ -185,7 +187,6 @@ def read_store(store: Store, location: Path | str) -> Catalog:
         raise CorruptCheckpointError(f"{store.where}/{ZARR_JSON}: attributes is not an object")
     reader.walk("", ())
     _take_root_attributes(store, attrs, catalog)
-    ensure_open_files(reader.chunks)
     return catalog
 
 
@@ -200,9 +201,12 @@ class ZarrFormat:
         return read_store(open_store(path), path)
 
     def writer(self, dst: Path | str, *, compress: bool = False, max_shard_size: int | None = None,
-               **options: Any) -> ZarrWriter:
-        """``max_shard_size`` (``--max-shard-size``) caps the chunk size when no mesh sets it."""
-        return ZarrWriter(compress=compress, chunk_bytes=max_shard_size)
+               max_memory: int | None = None, **options: Any) -> ZarrWriter:
+        """``max_shard_size`` (``--max-shard-size``) caps the chunk size when no mesh sets it.
+        Compressed chunks are compressed and decoded whole: ``max_memory`` then caps every
+        chunk at a quarter of it, shards or not (``plan_arrays``)."""
+        cap = max(1, max_memory // 4) if compress and max_memory else None
+        return ZarrWriter(compress=compress, chunk_bytes=max_shard_size, chunk_cap=cap)
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -231,14 +235,15 @@ def write_metadata(store: Store, target: Target, arrays: list[ArrayLayout]) -> N
     if objects:
         root[OBJECTS_KEY] = objects
     if pickled:
-        buf = io.BytesIO()
-        torch.save(pickled, buf)  # our own in-memory values (read safely), not user input
-        store.put(OBJECTS_FILE, buf.getvalue())
+        store.put(OBJECTS_FILE, torch_save_bytes(pickled))  # values read safely; stand-ins under their own names
         root[PICKLED_KEY] = sorted(pickled)
     paths = {n: list(p) for n, p in target.paths.items() if (n in target.tensors or n in target.objects) and p != (n,)}
     if paths:
         root[PATHS_KEY] = paths
-    attrs, _ = _encodable({k: v for k, v in target.attrs.items() if k not in _LAYOUT_ATTRS and k != "zarr_attributes"})
+        if target.attrs.get(CONTAINERS_ATTR):  # int-keyed dicts and tuples, which paths alone rebuild as lists
+            root[CONTAINERS_KEY] = containers_to_json(target.attrs[CONTAINERS_ATTR])
+    skip = (*_LAYOUT_ATTRS, "zarr_attributes", CONTAINERS_ATTR)
+    attrs, _ = _encodable({k: v for k, v in target.attrs.items() if k not in skip})
     if attrs:
         root[ATTRS_KEY] = attrs
     if target.mesh is not None:
@@ -267,19 +272,18 @@ class ZarrWriter:
     output_is_dir = True
     finish_rewrites_data = True  # finish pads edge chunks and compresses: ranks' digests would be stale
 
-    def __init__(self, *, compress: bool = False, chunk_bytes: int | None = None) -> None:
+    def __init__(self, *, compress: bool = False, chunk_bytes: int | None = None, chunk_cap: int | None = None) -> None:
         self.compress = compress
         self.codecs = ZSTD_CODECS if compress else RAW_CODECS
         self.chunk_bytes = chunk_bytes
+        self.chunk_cap = chunk_cap
 
     def arrays(self, target: Target) -> list[ArrayLayout]:
-        return plan_arrays(target, self.codecs, self.chunk_bytes)
+        return plan_arrays(target, self.codecs, self.chunk_bytes, self.chunk_cap)
 
     def layout(self, target: Target) -> list[FileLayout]:
-        files = [FileLayout(key, chunk_segments(a.name, a.meta.dtype, box, a.meta.chunk_shape))
-                 for a in self.arrays(target) for key, box in a.chunks()]
-        ensure_open_files(len(files))
-        return files
+        return [FileLayout(key, chunk_segments(a.name, a.meta.dtype, box, a.meta.chunk_shape))
+                for a in self.arrays(target) for key, box in a.chunks()]
 
     def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
         arrays = self.arrays(target)
@@ -289,5 +293,11 @@ class ZarrWriter:
         write_metadata(LocalStore(staging), target, arrays)
 
     def notices(self, target: Target) -> list[str]:
-        return [f"{a.name!r}: its shards are not a regular grid, so chunks of {list(a.meta.chunk_shape)} tile them"
-                for a in self.arrays(target) if not a.regular]
+        arrays = self.arrays(target)
+        out = [f"{a.name!r}: its shards are not a regular grid, so chunks of {list(a.meta.chunk_shape)} tile them"
+               for a in arrays if not a.regular]
+        split = [a.name for a in arrays if a.split]
+        if split:
+            out.append(f"{len(split)} tensors (e.g. {split[0]!r}) are stored in chunks smaller than their shards: a "
+                       "compressed chunk is compressed and decoded whole, so each fits a quarter of --max-memory")
+        return out

@@ -36,7 +36,7 @@ def _import_numcodecs() -> Any:
     try:
         import numcodecs
     except ImportError:
-        raise UsageError("compressed zarr chunks need numcodecs: pip install 'reshard[zarr]'") from None
+        raise UsageError("compressed zarr chunks need numcodecs (installed with zarr): pip install numcodecs") from None
     return numcodecs
 
 
@@ -163,6 +163,11 @@ class EncodedChunk:
     def __init__(self, store: Any, key: str, codecs: Codecs, chunk_shape: tuple[int, ...], size: int) -> None:
         self.store, self.key, self.codecs, self.chunk_shape, self.size = store, key, codecs, chunk_shape, size
         self.dtype = codecs.dtype
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes a read holds whatever box it asks for: a compressed chunk is decoded whole."""
+        return 0 if self.codecs.raw else math.prod(self.chunk_shape) * self.dtype.itemsize
 
     def _fetch(self, start: int = 0, length: int | None = None) -> bytes:
         data = self.store.get(self.key, start, length)

@@ -110,6 +110,7 @@ class ArrayLayout:
     meta: ArrayMeta
     regular: bool
     placements: Any = None
+    split: bool = False  # chunks cut smaller than the shards, to fit a memory cap
 
     def chunks(self) -> list[tuple[str, Box]]:
         """(key relative to the store root, global box) of every chunk, in C order."""
@@ -123,16 +124,32 @@ def _check_name(name: str) -> None:
         raise UsageError(f"tensor {name!r} cannot be a zarr array name; rename it with --keymap or write dcp")
 
 
-def plan_arrays(target: Target, codecs: list[dict[str, Any]], chunk_bytes: int | None = None) -> list[ArrayLayout]:
+def plan_arrays(target: Target, codecs: list[dict[str, Any]], chunk_bytes: int | None = None,
+                cap: int | None = None) -> list[ArrayLayout]:
     """Every target tensor as an array; the same on every rank (pure function of the target).
-    ``chunk_bytes`` overrides ``CHUNK_BYTES`` where no mesh fixes the chunks."""
+    ``chunk_bytes`` overrides ``CHUNK_BYTES`` where no mesh fixes the chunks; ``cap`` bounds
+    every chunk, shards included (``within_cap``)."""
     out = []
     for t in target.tensors.values():
         _check_name(t.name)
         if target.mesh is not None or len(t.boxes) != 1:
             chunk, regular = mesh_chunk_shape(t)
         else:
-            chunk, regular = default_chunk_shape(t.shape, t.dtype.itemsize, chunk_bytes), True
-        meta = ArrayMeta(t.shape, t.dtype, chunk, codecs, None, "c", "/")
-        out.append(ArrayLayout(t.name, meta, regular, t.placements))
+            size = chunk_bytes if cap is None else min(chunk_bytes or CHUNK_BYTES, cap)
+            chunk, regular = default_chunk_shape(t.shape, t.dtype.itemsize, size), True
+        capped = chunk if cap is None else within_cap(chunk, t.dtype.itemsize, cap)
+        meta = ArrayMeta(t.shape, t.dtype, capped, codecs, None, "c", "/")
+        out.append(ArrayLayout(t.name, meta, regular, t.placements, split=capped != chunk))
     return out
+
+
+def within_cap(chunk: tuple[int, ...], itemsize: int, cap: int) -> tuple[int, ...]:
+    """``chunk`` cut until it holds at most ``cap`` bytes (or one element), leading dims first
+    (the pieces stay contiguous in C order). Each cut divides a dim by its smallest prime
+    factor, so the new size divides the old: every old chunk (a shard) is still a whole number
+    of new ones, and the grid stays regular."""
+    out = list(chunk)
+    for d in range(len(out)):
+        while math.prod(out) * itemsize > cap and out[d] > 1:
+            out[d] //= next(p for p in range(2, out[d] + 1) if out[d] % p == 0)
+    return tuple(out)

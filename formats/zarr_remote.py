@@ -111,7 +111,9 @@ def _catalog(src: Any) -> Catalog:
 def convert_url(src: Any, dst: Any, *, to: str | None = None, mesh: str | None = None, placements: str | None = None,
                 dtype: Any = None, only: str | None = None, max_memory: str | int = "1GiB", overwrite: bool = False,
                 quiet: bool = False, compress: bool = False, keep_per_rank: bool = False,
-                keymap: str | None = None, max_shard_size: str | int | None = None) -> Any:
+                keymap: str | None = None, max_shard_size: str | int | None = None,
+                exclude: Any = None, layout: str | None = None, config: Any = None, hf_assets: Any = None,
+                weights_only: bool = False) -> Any:
     """``reshard.convert`` where SRC or DST is a URL. Remote DST: a zarr store, written as
     above. Remote SRC with local DST: any format, staged and renamed as usual."""
     from reshard.convert import ConvertResult, build_target, convert, write_output
@@ -121,7 +123,8 @@ def convert_url(src: Any, dst: Any, *, to: str | None = None, mesh: str | None =
     start = time.perf_counter()
     src_path, dst_path = _local(src), _local(dst)
     common = dict(to=to, mesh=mesh, placements=placements, dtype=dtype, only=only, max_memory=max_memory,
-                  overwrite=overwrite, quiet=quiet, keep_per_rank=keep_per_rank, keymap=keymap)
+                  overwrite=overwrite, quiet=quiet, keep_per_rank=keep_per_rank, keymap=keymap,
+                  exclude=exclude, layout=layout, config=config, hf_assets=hf_assets, weights_only=weights_only)
     if src_path is not None and (dst is None or dst_path is not None):  # file:// on both sides
         return convert(src_path, dst_path, compress=compress, max_shard_size=max_shard_size, **common)
     if dst is None:
@@ -138,7 +141,8 @@ def convert_url(src: Any, dst: Any, *, to: str | None = None, mesh: str | None =
     budget = parse_size(max_memory)
     shard = parse_size(max_shard_size) if max_shard_size is not None else None
     catalog, to, target, _ = build_target(_catalog(src), to, mesh=mesh, placements=placements, dtype=dtype, only=only,
-                                          keep_per_rank=keep_per_rank, keymap=keymap, budget=budget)
+                                          keep_per_rank=keep_per_rank, keymap=keymap, budget=budget,
+                                          exclude=exclude, layout=layout, config=config, hf_assets=hf_assets, weights_only=weights_only)
     if dst_path is None:
         writer = ZarrWriter(compress=compress, chunk_bytes=shard)
         plan = make_plan(catalog, writer.layout(target))
@@ -147,7 +151,7 @@ def convert_url(src: Any, dst: Any, *, to: str | None = None, mesh: str | None =
     else:  # a remote source into a local output: staged and committed as any conversion
         from reshard.formats.registry import get_format
 
-        out = get_format(to).writer(dst_path, max_shard_size=shard, **({"compress": True} if compress else {}))
+        out = get_format(to).writer(dst_path, max_shard_size=shard, **({"compress": True, "max_memory": budget} if compress else {}))
         files = out.layout(target)
         plan = make_plan(catalog, files)
         write_output(plan, out, target, files, dst_path, {}, None, sources=(), label=str(src), budget=budget,

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 
 from reshard.errors import CheckpointNotFoundError, UsageError
 
-__all__ = ["is_url", "LocalStore", "RemoteStore", "Store", "open_store", "ensure_open_files"]
+__all__ = ["is_url", "LocalStore", "RemoteStore", "Store", "open_store"]
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
 
@@ -91,7 +91,7 @@ class RemoteStore:
         try:
             import fsspec
         except ImportError:
-            raise UsageError(f"{url}: URLs need fsspec: pip install 'reshard[zarr]' (and s3fs for s3://)") from None
+            raise UsageError(f"{url}: URLs need fsspec (a reshard dependency): pip install fsspec (and s3fs for s3://)") from None
 
         self.url = url
         self.where = url
@@ -163,21 +163,3 @@ def open_store(location: str | os.PathLike) -> Store:
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
     return LocalStore(path)
-
-
-def ensure_open_files(n: int) -> None:
-    """Raise the soft open-file limit towards the hard one when ``n`` files may be open at once.
-
-    The engine holds every output file and every source file open while it runs, and a zarr
-    store is one file per chunk: a store of a 7B model with optimizer state passes the common
-    soft limit of 1024. Raising the soft limit up to the hard one is what the limit is for."""
-    try:
-        import resource
-    except ImportError:  # not on POSIX: nothing to raise
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = n + 256  # the interpreter's own files, sockets of a process group...
-    if soft != resource.RLIM_INFINITY and soft < want:
-        new = want if hard == resource.RLIM_INFINITY else min(hard, want)
-        if new > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))

@@ -46,10 +46,7 @@ class ZipIndex:
         self.entries = self._central_directory()
 
     def _fail(self, what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{self.where}: not a torch.save zip archive ({what}); legacy (pre-1.6) files are not "
-            "supported: re-save with a current torch"
-        )
+        return CorruptCheckpointError(f"{self.where}: not a torch.save zip archive ({what})")
 
     def _read(self, offset: int, n: int) -> bytes:
         if offset < 0 or n < 0 or offset + n > self.length:

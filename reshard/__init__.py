@@ -3,46 +3,87 @@
 >>> import reshard
 >>> cat = reshard.inspect("ckpt/")                  # what a checkpoint holds, any format
 >>> reshard.convert("ckpt/", "model.safetensors", only="model")
->>> reshard.verify("ckpt/", "model.safetensors").equal
+>>> reshard.verify("ckpt/", "model.safetensors", only="model").equal
+>>> reshard.load_model(model, "ckpt/", optimizer=opt)  # under torchrun, onto any mesh
+
+Every name below is imported on first use (``import reshard`` does not import torch), so the
+command line answers ``--help`` at once; ``dir(reshard)`` and ``help(reshard)`` list them all.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
-from pathlib import Path
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
-from reshard.catalog import Catalog
-from reshard.convert import ConvertResult, convert
 from reshard.errors import ReshardError
-from reshard.hub import PushResult, push
-from reshard.verify import VerifyResult, verify
 
 if TYPE_CHECKING:
+    from reshard.catalog import Catalog
+    from reshard.convert import ConvertResult, convert
+    from reshard.hub import PushResult, push
     from reshard.runtime import LoadResult, load_model, load_state_dict
+    from reshard.safe_pickle import allow_classes
+    from reshard.verify import VerifyResult, verify
 
 __all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "ConvertResult",
-           "VerifyResult", "PushResult", "LoadResult", "ReshardError"]
-__version__ = "0.1.0"
+           "VerifyResult", "PushResult", "LoadResult", "ReshardError", "allow_classes", "__version__"]
+__version__ = "0.2.0"
+
+# name -> the module that defines it (imported when the name is first used).
+_LAZY = {
+    "convert": "reshard.convert", "ConvertResult": "reshard.convert",
+    "verify": "reshard.verify", "VerifyResult": "reshard.verify",
+    "push": "reshard.hub", "PushResult": "reshard.hub",
+    "load_model": "reshard.runtime", "load_state_dict": "reshard.runtime", "LoadResult": "reshard.runtime",
+    "Catalog": "reshard.catalog",
+    "allow_classes": "reshard.safe_pickle",
+}
 
 
-def inspect(path: str | os.PathLike) -> Catalog:
-    """The catalog of checkpoint ``path``: every tensor's shape, dtype and chunks, and the
-    objects. Reads metadata only, never tensor data."""
-    from reshard.formats.registry import detect_format
+def inspect(path: str | os.PathLike, *, layout: str | None = None) -> Catalog:
+    """The catalog of checkpoint ``path`` (a path, a zarr URL, or a Hub repo id as ``convert``
+    takes them): every tensor's shape, dtype and chunks, and the objects. Reads metadata only,
+    never tensor data. ``layout`` names the tool whose conventions the checkpoint follows when
+    detection gets it wrong (``reshard.conventions``).
 
-    path = Path(path)
-    return detect_format(path).read(path)
+    >>> cat = reshard.inspect("ckpt/")
+    >>> cat                      # a one-screen summary; print(cat.table()) for every tensor
+    """
+    from reshard.sources import read_catalog
 
+    catalog = read_catalog(path)
+    if layout is not None:
+        from reshard.conventions import detect_layout
 
-_LAZY = {"load_model", "load_state_dict", "LoadResult"}  # reshard.runtime imports torch.distributed
+        detect_layout(catalog, layout)  # an unknown name is a usage error
+        catalog.attrs["layout"] = layout
+    return catalog
 
 
 def __getattr__(name: str) -> Any:
-    """``reshard.load_model`` and ``reshard.load_state_dict`` are ``reshard.runtime``'s own,
-    imported on first use so that ``import reshard`` stays light."""
     if name in _LAZY:
-        from reshard import runtime
-
-        return getattr(runtime, name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'reshard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+class _Package(types.ModuleType):
+    """``reshard.convert`` and ``reshard.verify`` are functions that live in modules of the same
+    name; importing such a module would make Python bind the module over the function on the
+    package. The module stays reachable as ``sys.modules["reshard.convert"]``."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -12,7 +12,9 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Box", "full_box", "c_order_slabs", "contiguous_range", "tiles_exactly"]
+import numpy as np
+
+__all__ = ["Box", "full_box", "c_order_slabs", "contiguous_range", "tiles_exactly", "tiles_columns"]
 
 
 @dataclass(frozen=True)
@@ -132,4 +134,39 @@ def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
                 return f"chunks at {a.offsets} and {b.offsets} overlap"
     if total != whole.numel:
         return f"chunks cover {total} of {whole.numel} elements (holes)"
+    return None
+
+
+def tiles_columns(shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> str | None:
+    """``tiles_exactly`` for boxes held as ``[n, ndim]`` arrays (a DCP tensor saved by many
+    ranks), in a few array operations when the chunks cut one dim only (FSDP's Shard(0), a
+    column-wise TP shard): no element outside the shape, none covered twice, none left out.
+    Chunks that cut several dims (a grid) are checked box by box."""
+    ndim = len(shape)
+    if offsets.shape != sizes.shape or offsets.shape[1:] != (ndim,):
+        return f"chunks have rank {offsets.shape[1] if offsets.ndim == 2 else '?'}, tensor has rank {ndim}"
+    whole = np.asarray(shape, dtype=np.int64).reshape(1, ndim)
+    bad = np.flatnonzero(((offsets < 0) | (sizes < 0) | (offsets + sizes > whole)).any(axis=1)) if ndim else []
+    if len(bad):
+        k = bad[0]
+        return f"chunk at {tuple(offsets[k].tolist())} of size {tuple(sizes[k].tolist())} lies outside shape {tuple(shape)}"
+    live = sizes.prod(axis=1) > 0 if ndim else np.ones(len(sizes), dtype=bool)
+    o, z = offsets[live], sizes[live]
+    total = int(z.prod(axis=1).sum()) if ndim else int(live.sum())
+    if ndim == 0 or len(o) <= 1:
+        return None if total == math.prod(shape) else f"chunks cover {total} of {math.prod(shape)} elements (holes)"
+    full = (o == 0) & (z == whole)  # per chunk and dim: spans the whole dim
+    cut = np.flatnonzero(~full.all(axis=0))
+    if len(cut) > 1:
+        boxes = [Box(tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(offsets, sizes)]
+        return tiles_exactly(shape, boxes)
+    d = int(cut[0]) if len(cut) else 0
+    order = np.argsort(o[:, d], kind="stable")
+    starts, ends = o[order, d], o[order, d] + z[order, d]
+    clash = np.flatnonzero(starts[1:] < ends[:-1])
+    if len(clash):
+        a, b = order[clash[0]], order[clash[0] + 1]
+        return f"chunks at {tuple(o[a].tolist())} and {tuple(o[b].tolist())} overlap"
+    if total != math.prod(shape):
+        return f"chunks cover {total} of {math.prod(shape)} elements (holes)"
     return None

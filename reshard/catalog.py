@@ -7,10 +7,12 @@ hyper-parameters, configs). Formats build catalogs; plans and engines consume th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 import torch
 
 from reshard.boxes import Box
@@ -18,7 +20,8 @@ from reshard.boxes import Box
 if TYPE_CHECKING:
     from reshard.layout import MeshSpec, Placement
 
-__all__ = ["ChunkData", "Chunk", "TensorEntry", "Catalog", "NestedPath", "TargetTensor", "Target"]
+__all__ = ["ChunkData", "Chunk", "TensorEntry", "IndexedTensorEntry", "Catalog", "NestedPath", "ObjectTable", "object_loader", "pick_objects",
+           "TargetTensor", "Target"]
 
 # Where a flat name sits in the nested state dict: ("optim", "state", "0.weight", "exp_avg").
 NestedPath = tuple[str | int, ...]
@@ -52,19 +55,150 @@ class TensorEntry:
             n *= s
         return n * self.dtype.itemsize
 
+    @property
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks' boxes as ``[n, ndim]`` offsets and sizes arrays."""
+        shape = (len(self.chunks), len(self.shape))
+        return (np.array([c.box.offsets for c in self.chunks], dtype=np.int64).reshape(shape),
+                np.array([c.box.sizes for c in self.chunks], dtype=np.int64).reshape(shape))
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self.chunks)
+
+    def renamed(self, name: str) -> TensorEntry:
+        return TensorEntry(name, self.shape, self.dtype, self.chunks)
+
+
+class IndexedTensorEntry(TensorEntry):
+    """A tensor whose chunk boxes are columns (``offsets``, ``sizes``: ``[n, ndim]``) and whose
+    ``Chunk`` objects, with their readers, are built the first time something asks for them.
+
+    A checkpoint saved by 2048 ranks has millions of chunks; ``inspect``, the tiling check and
+    the per-rank report need only the columns, and a conversion builds one tensor's chunks at
+    a time, as it plans that tensor."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, offsets: np.ndarray, sizes: np.ndarray,
+                 make: Callable[[int], ChunkData]) -> None:
+        self.name, self.shape, self.dtype = name, shape, dtype
+        self._offsets, self._sizes, self._make = offsets, sizes, make
+        self._chunks: list[Chunk] | None = None
+
+    @property  # type: ignore[override]
+    def chunks(self) -> list[Chunk]:
+        if self._chunks is None:
+            self._chunks = [Chunk(Box(tuple(o), tuple(z)), self._make(i))
+                            for i, (o, z) in enumerate(zip(self._offsets.tolist(), self._sizes.tolist()))]
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: list[Chunk]) -> None:
+        self._chunks = value
+
+    @property
+    def columns(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._offsets, self._sizes
+
+    @property
+    def chunk_count(self) -> int:
+        return len(self._offsets)
+
+    def renamed(self, name: str) -> TensorEntry:
+        other = IndexedTensorEntry(name, self.shape, self.dtype, self._offsets, self._sizes, self._make)
+        other._chunks = self._chunks
+        return other
+
+    def __repr__(self) -> str:
+        return f"IndexedTensorEntry({self.name!r}, {self.shape}, {self.dtype}, {self.chunk_count} chunks)"
+
+
+class ObjectTable(MutableMapping[str, Any]):
+    """A checkpoint's objects by name, each read from its file the first time it is asked for.
+
+    Objects are pickles from strangers and may hold types reshard refuses to build (or that
+    are simply expensive): a conversion that keeps only the model never unpickles the data
+    loader's state. Names are known up front and keep their order; ``lazy`` hands a value's
+    loader on to another table (a renamed catalog) without running it.
+    """
+
+    def __init__(self, loaders: dict[str, Callable[[], Any]] | None = None) -> None:
+        self._order: dict[str, None] = dict.fromkeys(loaders or {})
+        self._loaders: dict[str, Callable[[], Any]] = dict(loaders or {})
+        self._values: dict[str, Any] = {}
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self._values:
+            return self._values[name]
+        if name in self._loaders:
+            value = self._values[name] = self._loaders[name]()
+            del self._loaders[name]
+            return value
+        raise KeyError(name)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._order[name] = None
+        self._loaders.pop(name, None)
+        self._values[name] = value
+
+    def __delitem__(self, name: str) -> None:
+        del self._order[name]
+        self._loaders.pop(name, None)
+        self._values.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._order
+
+    def lazy(self, name: str) -> Callable[[], Any]:
+        """A loader for ``name`` that reads it only when called (now, if it was read already)."""
+        if name not in self._order:
+            raise KeyError(name)
+        return lambda: self[name]
+
+    def set_lazy(self, name: str, loader: Callable[[], Any]) -> None:
+        self._order[name] = None
+        self._values.pop(name, None)
+        self._loaders[name] = loader
+
+    def __repr__(self) -> str:
+        return f"ObjectTable({list(self._order)})"
+
+
+def object_loader(objects: MutableMapping[str, Any], name: str) -> Callable[[], Any]:
+    """A loader for ``objects[name]`` that defers the read when the table is lazy."""
+    if isinstance(objects, ObjectTable):
+        return objects.lazy(name)
+    value = objects[name]
+    return lambda: value
+
+
+def pick_objects(objects: MutableMapping[str, Any], names: Iterator[str] | list[str]) -> MutableMapping[str, Any]:
+    """The named objects, still unread where they were."""
+    out = ObjectTable()
+    for name in names:
+        out.set_lazy(name, object_loader(objects, name))
+    return out
+
 
 @dataclass
 class Catalog:
     """A checkpoint's contents. ``paths`` gives the nested position of flat names whose
     nesting cannot be recovered by splitting on dots (DCP's planner_data); ``attrs`` holds
-    provenance (source mesh, HF config...) that writers may record."""
+    provenance (source mesh, HF config...) that writers may record; ``notices`` says what the
+    reader had to do that the user should know (per-rank copies named apart...)."""
 
     format: str
     path: Path
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
-    objects: dict[str, Any] = field(default_factory=dict)
+    objects: MutableMapping[str, Any] = field(default_factory=dict)  # a dict, or an ObjectTable read lazily
     paths: dict[str, NestedPath] = field(default_factory=dict)
     attrs: dict[str, Any] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -72,6 +206,28 @@ class Catalog:
 
     def nested_path(self, name: str) -> NestedPath:
         return self.paths.get(name, (name,))
+
+    def table(self) -> str:
+        """Every tensor (name, dtype, shape, bytes, chunks) and object, as ``reshard inspect`` prints it."""
+        from reshard.report import catalog_table
+
+        return catalog_table(self)
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``reshard inspect --json`` prints (without the schema header)."""
+        from reshard.report import catalog_json
+
+        return catalog_json(self)
+
+    def __repr__(self) -> str:
+        from reshard.report import catalog_repr
+
+        return catalog_repr(self)
+
+    def _repr_html_(self) -> str:
+        from reshard.report import catalog_repr
+
+        return catalog_repr(self, html=True)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Logic lives in the API; this file parses options, prints, and maps outcomes to exit codes:
 0 ok, 1 a check found differences, 2 bad input or usage (one line on stderr, no traceback
-unless ``--debug`` or RESHARD_DEBUG=1).
+unless ``--debug`` or RESHARD_DEBUG=1). Nothing here imports torch at module level, so
+``reshard --help`` and usage errors answer at once. Every ``--json`` output is one object
+with ``"schema": 1`` and ``"command"`` (docs/cli.md, reshard/cli_schema.json).
 """
 
 from __future__ import annotations
@@ -12,55 +14,123 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperCommand
 
+from reshard.conventions import CONVENTIONS  # plain data: no torch import
 from reshard.errors import ReshardError, UsageError
+
+SCHEMA_VERSION = 1
+_MIN_MEMORY = 1 << 20
+
+
+class _Command(TyperCommand):
+    """typer writes required arguments as ``{SRC}`` in usage lines; the docs and every other
+    tool write ``SRC``."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
 
 app = typer.Typer(
     name="reshard",
-    help="Convert and reshard PyTorch checkpoints (DCP, safetensors, HF, torch.save, per-rank files, zarr) onto any mesh.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 _debug = {"on": os.environ.get("RESHARD_DEBUG") == "1"}
+_allowed_by_options: list[Any] = []
 
 Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback on errors.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or notices.")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
-MaxMemory = Annotated[str, typer.Option("--max-memory", help="Memory budget for tensor data, e.g. 512MiB, 2GB.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notices (errors still print).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (schema 1, see docs/cli.md).")]
+MaxMemory = Annotated[str, typer.Option(
+    "--max-memory", help="Memory budget for tensor data: 512MiB, 2GiB (or 512M, 2G: binary); 2GB = 2*10^9 bytes.")]
+ToMesh = Annotated[Optional[str], typer.Option(
+    "--to-mesh", help="Target device mesh: 8, 4x8, dp_replicate=4,dp_shard=8, dp_shard=4,tp=2.")]
+Placements = Annotated[Optional[str], typer.Option(
+    "--placements", help="With --to-mesh: fsdp (1-D default), hsdp (2-D default), fsdp+tp (default for dp_shard=S,tp=T), or a PLAN.json.")]
+LayoutOption = Annotated[Optional[str], typer.Option(
+    "--layout", help="The tool whose names the checkpoint follows, when detection is wrong: "
+    f"{', '.join(c.name for c in CONVENTIONS)} (docs/formats.md).")]
+AllowClass = Annotated[Optional[list[str]], typer.Option(
+    "--allow-class", metavar="MODULE.NAME", help="Read objects of this class in a trusted torch file as inert data (repeatable; "
+    "its code is never run), like torch's add_safe_globals.")]
+Src = Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint: a DCP folder, .safetensors/.pt file or folder, HF folder, zarr store or URL, or a Hub repo id.")]
 
 
 def _say(msg: str) -> None:
     typer.echo(msg, err=True)
 
 
-ToMesh = Annotated[Optional[str], typer.Option("--to-mesh", help="Target device mesh: 8, 4x8, dp_replicate=4,dp_shard=8, dp_shard=2,tp=2.")]
-Placements = Annotated[Optional[str], typer.Option(
-    "--placements", help="With --to-mesh: fsdp (1-D default), hsdp (2-D default), fsdp+tp, or a PLAN.json.")]
+def _emit_json(command: str, payload: dict[str, Any], *, compact: bool = False) -> None:
+    """One object; ``compact`` (no indentation) for big ones, which json encodes in C."""
+    doc = {"schema": SCHEMA_VERSION, "command": command, **payload}
+    typer.echo(json.dumps(doc, separators=(",", ":")) if compact else json.dumps(doc, indent=1))
 
 
-@app.command()
+def _allow(names: list[str] | None) -> None:
+    """Allow the classes of ``--allow-class`` until ``main`` returns (objects of a DCP
+    checkpoint are unpickled late, when the command first asks for them)."""
+    if names:
+        from reshard.safe_pickle import allow_classes
+
+        _allowed_by_options.append(allow_classes(names))
+
+
+def _check_memory(max_memory: str) -> None:
+    from reshard.sizes import format_size, parse_size
+
+    if parse_size(max_memory) < _MIN_MEMORY:
+        raise UsageError(f"--max-memory {max_memory}: {format_size(parse_size(max_memory))} is too small to work in; "
+                         "give at least 1MiB, e.g. 512MiB")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from reshard import __version__
+
+        typer.echo(f"reshard {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print reshard's version and exit.")] = False,
+) -> None:
+    """Convert and reshard PyTorch checkpoints (DCP, safetensors, HF, torch.save, per-rank files, zarr) onto any
+    mesh, streaming under a memory budget. Exit codes: 0 ok, 1 differences found, 2 bad input or usage."""
+
+
+@app.command(cls=_Command, epilog="Examples:\n\n"
+             "  reshard inspect ckpt/                           # tensors, shapes, dtypes, objects, layout\n\n"
+             "  reshard inspect ckpt/ --to-mesh 16x8            # bytes per rank before you launch\n\n"
+             "  reshard inspect model.safetensors --json | jq '.total_bytes'")
 def inspect(
-    src: Annotated[Path, typer.Argument(help="Checkpoint: DCP folder, .safetensors file or folder, .pt file...")],
+    src: Src,
     as_json: AsJson = False,
     to_mesh: ToMesh = None,
     placements: Placements = None,
+    layout: LayoutOption = None,
+    allow_class: AllowClass = None,
     debug: Debug = False,
 ) -> None:
-    """Show what a checkpoint holds: every tensor's shape, dtype, bytes and chunks, and the objects.
+    """Show what a checkpoint holds: every tensor's shape, dtype, bytes and chunks, the objects, and the layout.
 
-    With --to-mesh, also the bytes each rank of that mesh would hold (parameters, optimizer
-    state), the imbalance, and the tensors that do not divide evenly."""
+    With --to-mesh, also the bytes each rank of that mesh would hold (parameters, optimizer state), the
+    imbalance, and the tensors that do not divide evenly."""
     _debug["on"] |= debug
-    import reshard
+    _allow(allow_class)
     from reshard.report import catalog_json, catalog_table
 
-    catalog = reshard.inspect(src)
+    import reshard
+
+    catalog = reshard.inspect(src, layout=layout)
     summary = None
     if to_mesh is not None:
         from reshard.mesh_report import summarize_for_mesh
@@ -72,7 +142,7 @@ def inspect(
         out = catalog_json(catalog)
         if summary is not None:
             out["target"] = summary
-        typer.echo(json.dumps(out, indent=1))
+        _emit_json("inspect", out, compact=sum(t.chunk_count for t in catalog.tensors.values()) > 10_000)
         return
     typer.echo(catalog_table(catalog))
     if summary is not None:
@@ -81,63 +151,99 @@ def inspect(
         typer.echo("\n" + mesh_table(summary))
 
 
-@app.command()
+@app.command(cls=_Command, epilog="Examples:\n\n"
+             "  reshard convert ckpt/ --to-mesh 4x8                      # ckpt_4x8/: DCP for a 4x8 HSDP mesh\n\n"
+             "  reshard convert ckpt/ model.safetensors --only model     # the model's own state dict\n\n"
+             "  reshard convert ckpt/ out/ --to hf --config cfg/ --hf-assets tok/ --dtype bfloat16")
 def convert(
-    src: Annotated[str, typer.Argument(help="Checkpoint to read (never modified): a path, a Hub repo id, or a zarr URL.")],
-    dst: Annotated[Optional[str], typer.Argument(help="Output path or zarr URL (memory://, s3://...); default: beside SRC, named after the target.")] = None,
+    src: Src,
+    dst: Annotated[Optional[str], typer.Argument(metavar="DST", help="Output path or zarr URL (memory://, s3://...); default: beside SRC, named after the target.")] = None,
     to: Annotated[Optional[str], typer.Option("--to", help="dcp, safetensors, torch (with --to-mesh: one file per rank), hf or zarr; default from DST's suffix, else dcp.")] = None,
     to_mesh: ToMesh = None,
     placements: Placements = None,
     keep_per_rank: Annotated[bool, typer.Option(
         "--keep-per-rank", help="With --to-mesh on another rank count: carry per-rank state (RNG, data loader) as is instead of dropping it.")] = False,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast floating-point tensors, e.g. bfloat16.")] = None,
-    only: Annotated[Optional[str], typer.Option("--only", help="Keep one section: model, optim, or any name prefix.")] = None,
-    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename tensors: titan-to-hf, hf-to-titan, hf-unfuse, hf-fuse, strip-wrappers, or a MAP.json.")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast parameters and their optimizer moments (never step or integer state), e.g. bfloat16.")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Keep one part: model (into a .pt/.safetensors file: the model's own keys), optim, or any name prefix.")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Drop tensors and objects whose names match this glob (repeatable).")] = None,
+    layout: LayoutOption = None,
+    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename tensors: titan-to-hf, hf-to-titan, hf-to-titan-0.3, megatron-to-hf, hf-unfuse, hf-fuse, strip-wrappers, or a MAP.json.")] = None,
+    config: Annotated[Optional[str], typer.Option("--config", help="The model's config: a config.json, an HF folder or a Hub repo id (head counts for key maps; config.json of --to hf).")] = None,
+    hf_assets: Annotated[Optional[str], typer.Option("--hf-assets", help="With --to hf: copy the tokenizer, chat template and generation config of this folder or Hub repo id.")] = None,
+    weights_only: Annotated[bool, typer.Option("--weights-only", help="With --to hf: write the safetensors only, without config.json (not loadable by from_pretrained as is).")] = False,
     max_memory: MaxMemory = "1GiB",
-    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Split safetensors output into files of at most this size.")] = None,
+    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest file of a safetensors, hf or zarr output (HF-style shards: default 5GB for hf).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and check everything, print what would be written, write nothing.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists (only once the new output is complete).")] = False,
     fsync: Annotated[bool, typer.Option("--fsync", help="Sync the output to disk before it appears (durable across power loss; slower).")] = False,
     compress: Annotated[bool, typer.Option("--compress", help="zstd-compress zarr chunks (smaller, slower; default off).")] = False,
+    allow_class: AllowClass = None,
+    as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Convert a checkpoint to another format, streaming under --max-memory; bit-exact unless --dtype."""
+    """Convert a checkpoint to another format or mesh, streaming under --max-memory; bit-exact unless --dtype."""
     _debug["on"] |= debug
-    import reshard
+    _allow(allow_class)
+    _check_memory(max_memory)
     from reshard.sizes import format_size
+
+    import reshard
 
     result = reshard.convert(
         src, dst, to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only,
-        max_memory=max_memory, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet, fsync=fsync,
-        keep_per_rank=keep_per_rank, keymap=keymap, compress=compress,
+        max_memory=max_memory, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet or as_json, fsync=fsync,
+        keep_per_rank=keep_per_rank, keymap=keymap, compress=compress, exclude=exclude, layout=layout,
+        config=config, hf_assets=hf_assets, weights_only=weights_only, dry_run=dry_run,
     )
-    if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
-        for notice in result.notices:
-            _say(f"notice: {notice}")
-        _say(f"wrote {result.dst} ({result.format}, {result.tensors} tensors, "
-             f"{format_size(result.bytes)}) in {result.seconds:.1f}s")
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
+        return
+    if as_json:
+        _emit_json("convert", result.to_json())
+        return
+    if dry_run:
+        from reshard.report import dry_run_table
+
+        typer.echo(dry_run_table(result))
+    if quiet:
+        return
+    for notice in result.notices:
+        _say(f"notice: {notice}")
+    verb = "would write" if dry_run else "wrote"
+    _say(f"{verb} {result.dst} ({result.format}, {result.tensors} tensors, {format_size(result.bytes)})"
+         + ("" if dry_run else f" in {result.seconds:.1f}s"))
 
 
-@app.command()
+@app.command(cls=_Command, epilog="Examples:\n\n"
+             "  reshard verify ckpt/ full.pt                                  # exit 0 equal, 1 different\n\n"
+             "  reshard verify ckpt/ out_bf16/ --atol 1e-2 --rtol 1e-2        # a --dtype cast, within tolerance\n\n"
+             "  reshard verify titan_ckpt/ hf_out/ --keymap titan-to-hf --only model\n\n"
+             "  reshard verify --quick ckpt_4x8/                              # every file against its manifest")
 def verify(
-    a: Annotated[Path, typer.Argument(help="First checkpoint (any format).")],
-    b: Annotated[Optional[Path], typer.Argument(help="Second checkpoint (any format).")] = None,
-    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance (default: exact, bit for bit).")] = None,
-    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance (default: exact).")] = None,
-    as_json: AsJson = False,
-    max_memory: MaxMemory = "1GiB",
+    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format; a path, zarr URL or Hub repo id).")],
+    b: Annotated[Optional[str], typer.Argument(metavar="B", help="Second checkpoint (any format).")] = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for floating/complex values (default: exact, bit for bit).")] = None,
+    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for floating/complex values (default: exact).")] = None,
+    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename A's tensors first (e.g. titan-to-hf), to compare across a rename.")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Compare one part of both: model (each side's model tensors by FQN), optim, or a name prefix.")] = None,
     quick: Annotated[bool, typer.Option(
         "--quick", help="Check one output folder against its .reshard-manifest.json (sizes, SHA-256); no source needed.")] = False,
+    max_memory: MaxMemory = "1GiB",
+    allow_class: AllowClass = None,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Compare two checkpoints tensor by tensor. Exit 0 when equal, 1 when they differ.
+    """Compare two checkpoints tensor by tensor: exit 0 when equal, 1 when they differ.
 
-    With --quick DIR: check every file of a folder reshard wrote against its manifest."""
+    Exact by default (names, nesting, dtypes, bits; objects by type and value); --atol/--rtol loosen floating
+    and complex values only. With --quick DIR: check every file of a folder reshard wrote against its manifest."""
     _debug["on"] |= debug
+    _allow(allow_class)
     import reshard
 
     if quick:
-        if b is not None or atol is not None or rtol is not None:
+        if b is not None or atol is not None or rtol is not None or keymap is not None or only is not None:
             raise UsageError("verify --quick checks one folder against its manifest: reshard verify --quick DIR")
         from reshard.verify import verify_manifest
 
@@ -145,9 +251,11 @@ def verify(
     elif b is None:
         raise UsageError("verify needs two checkpoints: reshard verify A B (or one folder: reshard verify --quick DIR)")
     else:
-        result = reshard.verify(a, b, atol=atol, rtol=rtol, max_memory=max_memory)
+        _check_memory(max_memory)
+        result = reshard.verify(a, b, atol=atol, rtol=rtol, max_memory=max_memory, keymap=keymap, only=only,
+                                progress=not (quiet or as_json))
     if as_json:
-        typer.echo(json.dumps(result.to_json(), indent=1))
+        _emit_json("verify", {**result.to_json(), "quick": quick})
     else:
         for d in result.differences:
             typer.echo(f"DIFF {d.name}: {d.kind}: {d.detail}")
@@ -161,14 +269,23 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=_Command, epilog="Examples:\n\n"
+             "  reshard push out/ me/my-model --dry-run           # check the folder, list what would be sent\n\n"
+             "  reshard push out/ me/my-model --private\n\n"
+             "  reshard push out/ org/model --create-pr --exclude 'README.md'")
 def push(
-    folder: Annotated[Path, typer.Argument(help="HF model folder to upload (from `reshard convert SRC --to hf`).")],
-    repo_id: Annotated[str, typer.Argument(help="Hub model repo, owner/name; created if it does not exist.")],
+    folder: Annotated[Path, typer.Argument(metavar="FOLDER", help="HF model folder to upload (from `reshard convert SRC --to hf`).")],
+    repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", help="Hub model repo, owner/name; created if it does not exist.")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     revision: Annotated[Optional[str], typer.Option("--revision", help="Branch to push to (created if needed).")] = None,
     commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Message of the upload commit.")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN or `hf auth login`).")] = None,
+    create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead of committing to the branch.")] = False,
+    include: Annotated[Optional[list[str]], typer.Option("--include", help="Upload only files matching this glob (repeatable).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Do not upload files matching this glob (repeatable).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the folder and list what would be sent; no network.")] = False,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
     """Check an HF model folder (index, headers, tied weights, config.json) and upload it to the Hub."""
@@ -177,15 +294,19 @@ def push(
     from reshard.sizes import format_size
 
     result = push_folder(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
-                         dry_run=dry_run)
+                         dry_run=dry_run, token=token, create_pr=create_pr, include=include, exclude=exclude)
+    if as_json:
+        _emit_json("push", result.to_json())
+        return
     width = max(len(name) for name, _ in result.files)
     verb = "would upload" if dry_run else "uploaded"
-    typer.echo(f"{verb} {len(result.files)} files ({format_size(result.bytes)}) to {repo_id}"
-               f"{'@' + revision if revision else ''}:")
+    where = f"a pull request on {repo_id}" if create_pr else f"{repo_id}{'@' + revision if revision else ''}"
+    typer.echo(f"{verb} {len(result.files)} files ({format_size(result.bytes)}) to {where}:")
     for name, size in result.files:
         typer.echo(f"  {name:<{width}}  {format_size(size)}")
-    for notice in result.notices:
-        _say(f"notice: {notice}")
+    if not quiet:
+        for notice in result.notices:
+            _say(f"notice: {notice}")
     if result.url:
         typer.echo(result.url)
 
@@ -195,9 +316,12 @@ GlobalBatch = Annotated[int, typer.Option("--global-batch", help="Samples per st
 TrainDevice = Annotated[str, typer.Option("--device", help="auto (GPUs with NCCL when each rank has one), cpu or cuda.")]
 
 
-@app.command()
+@app.command(cls=_Command, epilog="Examples:\n\n"
+             "  reshard train --to-mesh 2 --steps 4 --ckpt-dir runs/a             # spawns 2 gloo ranks on CPU\n\n"
+             "  reshard train --to-mesh 3 --steps 8 --resume runs/a --ckpt-dir runs/a   # continue on 3 ranks\n\n"
+             "  torchrun --nproc_per_node 8 -m reshard train --to-mesh 2x4 --config 100m")
 def train(
-    mesh: Annotated[str, typer.Option("--mesh", help="Data-parallel mesh: N (FSDP), RxS or dp_replicate=R,dp_shard=S (HSDP).")],
+    mesh: Annotated[str, typer.Option("--to-mesh", "--mesh", help="Data-parallel mesh to train on: N (FSDP), RxS or dp_replicate=R,dp_shard=S (HSDP).")],
     nproc: Annotated[Optional[int], typer.Option("--nproc", help="Ranks to spawn (default: the mesh's size); leave out under torchrun.")] = None,
     steps: Annotated[int, typer.Option("--steps", help="Train until this step (a resumed run continues from its checkpoint's step).")] = 10,
     ckpt_dir: Annotated[Optional[Path], typer.Option("--ckpt-dir", help="Save DCP checkpoints here as step-N/.")] = None,
@@ -212,6 +336,8 @@ def train(
     mixed_precision: Annotated[bool, typer.Option("--mixed-precision", help="bf16 parameters in compute, fp32 gradient reduction.")] = False,
     keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename the --resume checkpoint's tensors first, e.g. hf-to-titan.")] = None,
     device: TrainDevice = "auto",
+    as_json: AsJson = False,
+    quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
     """Train the project's Llama-style model with FSDP2 on synthetic data (spawns --nproc ranks, or runs under torchrun)."""
@@ -222,14 +348,20 @@ def train(
     cfg = TrainConfig(mesh=mesh, model=config, tie_embeddings=tie_embeddings, steps=steps, global_batch=global_batch,
                       lr=lr, warmup=warmup, seed=seed, mixed_precision=mixed_precision,
                       ckpt_dir=str(ckpt_dir) if ckpt_dir else None, save_every=save_every,
-                      resume=str(resume) if resume else None, keymap=keymap)
+                      resume=str(resume) if resume else None, keymap=keymap, log=not (quiet or as_json))
     result = launch(cfg, nproc, device=device)
-    if os.environ.get("RANK", "0") == "0" and result.losses:
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if as_json:
+        _emit_json("train", result.to_json())
+    elif result.losses and not quiet:
         last = max(result.losses)
         _say(f"trained steps {result.start_step + 1}..{result.end_step}; loss {result.losses[last]:.6f} at step {last}")
 
 
-@app.command()
+@app.command(cls=_Command, epilog="Examples:\n\n"
+             "  reshard validate --from-mesh 2 --to-mesh 3                 # every path, bit-exact and resumed\n\n"
+             "  reshard validate --from-mesh 1x2 --to-mesh 4 --via dcp,safetensors --json")
 def validate(
     from_mesh: Annotated[str, typer.Option("--from-mesh", help="Mesh the checkpoint is trained and saved on.")],
     to_mesh: Annotated[str, typer.Option("--to-mesh", help="Mesh every converted checkpoint is resumed on.")],
@@ -239,7 +371,7 @@ def validate(
     global_batch: GlobalBatch = 12,
     rtol: Annotated[float, typer.Option("--rtol", help="Largest relative loss difference after resume that still matches.")] = 1e-4,
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Keep the checkpoints and conversions here (default: a temp dir).")] = None,
-    device: TrainDevice = "cpu",
+    device: TrainDevice = "auto",
     as_json: AsJson = False,
     debug: Debug = False,
 ) -> None:
@@ -253,7 +385,10 @@ def validate(
     paths = tuple(p.strip() for p in via.split(",") if p.strip())
     result = run_validate(from_mesh, to_mesh, steps, paths, model=config, global_batch=global_batch, rtol=rtol,
                           workdir=workdir, device=device)
-    typer.echo(json.dumps(result.to_json(), indent=1) if as_json else format_table(result))
+    if as_json:
+        _emit_json("validate", result.to_json())
+    else:
+        typer.echo(format_table(result))
     if not result.ok:
         raise typer.Exit(1)
 
@@ -274,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     _debug["on"] = os.environ.get("RESHARD_DEBUG") == "1"  # per call: main() may run many times in one process
     try:
         rv = app(args=argv, standalone_mode=False, prog_name="reshard")
+        if rv == 130:  # typer turns Ctrl-C into exit code 130 before we can see it
+            _say("reshard: interrupted; no output was left behind")
         return rv if isinstance(rv, int) else 0
     except (typer.Abort, KeyboardInterrupt):
         _say("reshard: interrupted; no output was left behind")
@@ -302,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         _say(f"reshard: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
         return 2
+    finally:
+        while _allowed_by_options:
+            _allowed_by_options.pop().close()
 
 
 def entry() -> None:

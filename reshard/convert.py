@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from reshard.catalog import Catalog, Target
+from reshard.catalog import Catalog, Target, pick_objects
+from reshard.conventions import detect_layout
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError
@@ -21,8 +24,7 @@ from reshard.layout import MeshSpec, parse_mesh
 from reshard.mesh_target import mesh_target
 from reshard.parallel import Workers, join_workers, split_files
 from reshard.placements import load_placement_plan
-from reshard.plan import Plan, full_target, make_plan
-from reshard.regions import StoredRegion
+from reshard.plan import Plan, full_target, make_plan, model_section
 from reshard.sizes import parse_size
 from reshard.staging import StagedOutput
 
@@ -35,6 +37,12 @@ _MESH_FORMATS = {"dcp": "dcp", "torch": "torch-ranks", "torch-ranks": "torch-ran
 
 @dataclass
 class ConvertResult:
+    """What ``reshard.convert`` wrote (or, with ``dry_run``, would write): the output, its
+    format, how many tensors and bytes of tensor data, how long it took, how many bytes the
+    kernel copied without passing through memory, and what the user should know
+    (``notices``: dropped per-rank state, objects a format cannot hold...). ``files`` lists the
+    output's data files and sizes; ``ranks``, for a mesh, each target rank's bytes."""
+
     src: Path
     dst: Path
     format: str
@@ -43,31 +51,51 @@ class ConvertResult:
     seconds: float
     kernel_bytes: int = 0
     notices: list[str] = field(default_factory=list)
+    dry_run: bool = False
+    files: list[tuple[str, int]] = field(default_factory=list)
+    ranks: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"src": str(self.src), "dst": str(self.dst), "format": self.format, "tensors": self.tensors,
+                "bytes": self.bytes, "seconds": round(self.seconds, 3), "kernel_bytes": self.kernel_bytes,
+                "notices": list(self.notices), "dry_run": self.dry_run,
+                "files": [{"path": p, "bytes": n} for p, n in self.files], "target": self.ranks}
 
 
-def default_destination(src: Path, to: str, *, sharded: bool = False, mesh_label: str | None = None) -> Path:
-    """A new path beside ``src`` named after the target (``ckpt_4x8``); never ``src`` itself."""
+def default_destination(src: Path, to: str, *, sharded: bool = False, mesh_label: str | None = None,
+                        dtype: str | None = None) -> Path:
+    """A new path beside ``src`` named after what changes (``ckpt_4x8``, ``ckpt_bfloat16``,
+    ``ckpt_3_torch``, ``ckpt.safetensors``, ``ckpt_hf``); never ``src`` itself, and two
+    different conversions of one source never default to the same name."""
     stem = src.name
-    for suffix in (".safetensors", ".pt", ".pth", ".bin", ".zarr"):
+    for suffix in (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".zarr"):
         stem = stem.removesuffix(suffix)
-    if mesh_label is not None:
-        dst = src.with_name(f"{stem}_{mesh_label}" + (".zarr" if to == "zarr" else ""))
-    else:
-        suffix = "" if sharded else _SUFFIX.get(to, "")
-        dst = src.with_name(f"{stem}{suffix}" if suffix else f"{stem}_{to}")
+    parts = [stem] + ([mesh_label] if mesh_label else []) + ([dtype] if dtype else [])
+    single_file = mesh_label is None and not sharded and to in ("safetensors", "torch")
+    if single_file:
+        name = "_".join(parts) + _SUFFIX[to]
+    elif to == "zarr":
+        name = "_".join(parts) + ".zarr"
+    elif to == "dcp" and len(parts) > 1:
+        name = "_".join(parts)
+    else:  # a folder: say which format when nothing else does, and never collide with the DCP default
+        name = "_".join(parts + [{"torch-ranks": "torch"}.get(to, to)])
+    dst = src.with_name(name)
     if dst.resolve() == src.resolve():
         dst = dst.with_name(f"{stem}_converted{dst.suffix}")
     return dst
 
 
 def source_files(catalog: Catalog) -> dict[Path, tuple[int, int]]:
-    """(size, mtime) of every file tensor bytes come from, to detect a source changing under us."""
+    """(size, mtime) of every file tensor bytes come from, to detect a source changing under us.
+    Chunks name their file (``path``) without being located or read."""
     out = {}
     for t in catalog.tensors.values():
         for c in t.chunks:
-            if isinstance(c.data, StoredRegion) and c.data.path not in out:
-                st = os.stat(c.data.path)
-                out[c.data.path] = (st.st_size, st.st_mtime_ns)
+            path = getattr(c.data, "path", None)
+            if isinstance(path, Path) and path not in out:
+                st = os.stat(path)
+                out[path] = (st.st_size, st.st_mtime_ns)
     return out
 
 
@@ -96,6 +124,12 @@ def convert(
     keep_per_rank: bool = False,
     keymap: str | None = None,
     compress: bool = False,
+    exclude: str | list[str] | None = None,
+    layout: str | None = None,
+    config: str | os.PathLike | None = None,
+    hf_assets: str | os.PathLike | None = None,
+    weights_only: bool = False,
+    dry_run: bool = False,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` (format ``to``, or guessed from ``dst``).
 
@@ -114,6 +148,16 @@ def convert(
 
     ``keymap`` (a preset such as ``hf-to-titan`` or a JSON map) renames tensors on the way; a
     SRC that is not a local path but an ``owner/name`` Hub repo id is downloaded first.
+    ``only="model"`` keeps the model's tensors (into a torch or safetensors file under their
+    own FQNs, so ``model.load_state_dict`` takes them); ``exclude`` drops tensors and objects
+    whose names match any of the globs. ``layout`` overrides the detected layout convention
+    (``reshard.conventions``: which names are parameters, optimizer state, per-rank state).
+    ``config`` (a config.json, an HF folder or a Hub repo id) says what model the tensors are
+    (head counts and family for key maps; the config.json of ``to="hf"``); ``hf_assets`` (a
+    folder or repo id) gives an HF export its tokenizer, chat template and generation config;
+    ``weights_only`` writes an HF export's safetensors without any config. ``dry_run`` plans
+    and checks everything a conversion would (names, placements, files, sizes per rank) and
+    writes nothing.
     """
     start = time.perf_counter()
     if is_url(src) or is_url(dst):  # zarr stores behind fsspec URLs: no local staging (zarr_remote)
@@ -121,7 +165,9 @@ def convert(
 
         return convert_url(src, dst, to=to, mesh=mesh, placements=placements, dtype=dtype, only=only,
                            max_memory=max_memory, overwrite=overwrite, quiet=quiet, compress=compress,
-                           keep_per_rank=keep_per_rank, keymap=keymap, max_shard_size=max_shard_size)
+                           keep_per_rank=keep_per_rank, keymap=keymap, max_shard_size=max_shard_size,
+                           exclude=exclude, layout=layout, config=config, hf_assets=hf_assets,
+                           weights_only=weights_only)
     src = Path(src)
     from reshard.hub import hub_source
 
@@ -132,17 +178,28 @@ def convert(
     catalog = fmt.read(src)
     before = source_files(catalog)
     if to is None:
-        to = format_for_destination(Path(dst)) if dst is not None else "dcp"
+        to = destination_format(Path(dst)) if dst is not None else "dcp"
     catalog, to, target, spec = build_target(catalog, to, mesh=mesh, placements=placements, dtype=dtype, only=only,
-                                             keep_per_rank=keep_per_rank, keymap=keymap, budget=budget)
+                                             keep_per_rank=keep_per_rank, keymap=keymap, budget=budget,
+                                             exclude=exclude, layout=layout, config=config, hf_assets=hf_assets,
+                                             weights_only=weights_only)
     out_fmt = get_format(to)
+    cast = str(parse_dtype(dtype)).removeprefix("torch.") if dtype is not None else None
     dst = Path(dst) if dst is not None else default_destination(
-        beside, to, sharded=shard_size is not None, mesh_label=spec.label if spec else None)
-    if compress and to != "zarr":
-        raise UsageError("--compress applies to zarr output only (--to zarr)")
-    writer = out_fmt.writer(dst, max_shard_size=shard_size, **({"compress": True} if compress else {}))
+        beside, to, sharded=shard_size is not None, mesh_label=spec.label if spec else None, dtype=cast)
+    check_output_options(dst, to, sharded=shard_size is not None, compress=compress, mesh=mesh,
+                         keep_per_rank=keep_per_rank)
+    writer = out_fmt.writer(dst, max_shard_size=shard_size, **({"compress": True, "max_memory": budget} if compress else {}))
     files = writer.layout(target)
     plan = make_plan(catalog, files)
+    notices = target.notices + list(writer.notices(target))
+    if dry_run:
+        from reshard.mesh_report import mesh_summary
+
+        ranks = mesh_summary(target, detect_layout(catalog)) if target.mesh is not None else None
+        return ConvertResult(src=src, dst=dst, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
+                             seconds=time.perf_counter() - start, notices=notices, dry_run=True,
+                             files=[(f.relpath or dst.name, f.size) for f in files], ranks=ranks)
     group = join_workers()
     try:
         stats = write_output(plan, writer, target, files, dst, before, group, sources=(src,), label=src.name,
@@ -152,19 +209,81 @@ def convert(
             group.close()
     return ConvertResult(
         src=src, dst=dst, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
-        seconds=time.perf_counter() - start, kernel_bytes=stats.kernel_bytes,
-        notices=target.notices + list(writer.notices(target)),
+        seconds=time.perf_counter() - start, kernel_bytes=stats.kernel_bytes, notices=notices,
+        files=[(f.relpath or dst.name, f.size) for f in files],
     )
+
+
+# Suffixes of files reshard does not write: a DST named so is a mistake, not a DCP folder name.
+_FOREIGN = {".onnx", ".gguf", ".ggml", ".h5", ".hdf5", ".keras", ".tflite", ".pb", ".npz", ".npy", ".json", ".txt",
+            ".msgpack", ".engine", ".trt", ".mlmodel", ".tar", ".gz", ".tgz", ".zip", ".pkl", ".pickle"}
+
+
+def destination_format(dst: Path) -> str:
+    """``--to`` when only DST is given: by its suffix (``.ckpt`` is a torch.save file, as
+    Lightning writes them); no suffix means a DCP folder; a suffix of some other tool's file
+    is refused rather than becoming a DCP folder of that name."""
+    if dst.suffix.lower() in _FOREIGN:
+        raise UsageError(f"{dst}: reshard does not write {dst.suffix} files; name a .safetensors, .pt/.pth/.bin/.ckpt "
+                         "or .zarr output, a folder without a suffix (DCP), or give --to")
+    if dst.suffix.lower() == ".ckpt":
+        return "torch"
+    return format_for_destination(dst)
+
+
+def check_output_options(dst: Path, to: str, *, sharded: bool, compress: bool, mesh: str | None,
+                         keep_per_rank: bool) -> None:
+    """Refuse option combinations that would be silently ignored or produce a surprise."""
+    if compress and to != "zarr":
+        raise UsageError("--compress applies to zarr output only (--to zarr)")
+    if sharded and to not in ("safetensors", "hf", "zarr"):
+        raise UsageError(f"--max-shard-size applies to safetensors, hf and zarr outputs, not {to} "
+                         "(DCP and torch files are laid out per tensor or per rank)")
+    if sharded and to == "safetensors" and dst.suffix == ".safetensors":
+        raise UsageError(f"{dst}: a sharded safetensors output is a folder (shards + index); give DST without "
+                         f".safetensors, e.g. {dst.with_suffix('')}")
+    if keep_per_rank and mesh is None:
+        raise UsageError("--keep-per-rank applies with --to-mesh (per-rank state is kept as is otherwise)")
+
+
+def excluded(catalog: Catalog, globs: str | list[str] | None) -> Catalog:
+    """``catalog`` without the tensors and objects whose names match any of ``globs``."""
+    patterns = [globs] if isinstance(globs, str) else list(globs or [])
+    if not patterns:
+        return catalog
+    gone = [n for n in (*catalog.tensors, *catalog.objects) if any(fnmatch.fnmatchcase(n, g) for g in patterns)]
+    if not gone:
+        raise UsageError(f"--exclude {' '.join(patterns)} matches nothing in {catalog.path}; try `reshard inspect` for names")
+    drop = set(gone)
+    return replace(catalog, tensors={n: t for n, t in catalog.tensors.items() if n not in drop},
+                   objects=pick_objects(catalog.objects, [n for n in catalog.objects if n not in drop]),
+                   paths={n: p for n, p in catalog.paths.items() if n not in drop})
 
 
 def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str | None, dtype: str | None,
                  only: str | None, keep_per_rank: bool, keymap: str | None, budget: int,
-                 ) -> tuple[Catalog, str, Target, MeshSpec | None]:
+                 exclude: str | list[str] | None = None, layout: str | None = None,
+                 config: str | os.PathLike | None = None, hf_assets: str | os.PathLike | None = None,
+                 weights_only: bool = False) -> tuple[Catalog, str, Target, MeshSpec | None]:
     """What ``to`` will hold: the catalog renamed by ``keymap`` (and cut to HF model tensors for
     ``hf``), the writer's format name, the target, and the mesh. Every check that can refuse the
     conversion runs here, before a byte is written; local and URL conversions share it."""
     if placements is not None and mesh is None:
         raise UsageError("--placements needs --to-mesh")
+    if (hf_assets is not None or weights_only) and to != "hf":
+        raise UsageError("--hf-assets and --weights-only apply to --to hf")
+    if layout is not None:
+        detect_layout(catalog, layout)  # an unknown name is a usage error now, not after the keymap
+        catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout})
+    if config is not None:  # what model these tensors are: key maps and the HF export read it
+        from reshard.formats.hf_files import load_config
+
+        catalog = replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config)})
+    catalog = excluded(catalog, exclude)
+    if dtype is not None:  # FP8 / MXFP4 weights: dequantized with their scales, never cast without them
+        from reshard.quant import dequantized
+
+        catalog = dequantized(catalog)
     if keymap is not None:  # lazily renamed entries; the source's real files are unchanged
         from reshard.keymap import load_keymap
 
@@ -172,18 +291,28 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
     if to == "hf":  # model tensors under HF names, with config.json (reshard.formats.hf)
         from reshard.formats.hf import export_catalog
 
-        catalog = export_catalog(catalog, max_memory=budget)
+        catalog = export_catalog(catalog, max_memory=budget, assets=None if hf_assets is None else str(hf_assets),
+                                 weights_only=weights_only)
     else:  # an HF source's config.json travels as objects, for a later --to hf
         from reshard.provenance import carry_hf_configs
 
         carry_hf_configs(catalog)
     spec = parse_mesh(mesh) if mesh is not None else None
+    conventions = detect_layout(catalog)
     if spec is None:
-        return catalog, to, full_target(catalog, dtype=parse_dtype(dtype), only=only), None
+        if only is None and to in ("torch", "safetensors") and conventions.name == "deepspeed":
+            # One file from a ZeRO run is what zero_to_fp32 writes: the fp32 master weights.
+            only = "model"
+            catalog = replace(catalog, notices=[*catalog.notices, "wrote the fp32 master weights only, as DeepSpeed's "
+                                                "zero_to_fp32 does; convert to a DCP folder to keep the optimizer state"])
+        if only == "model" and to in ("torch", "safetensors"):  # a file of the model's own state dict
+            catalog, only = model_section(catalog, conventions), None
+            conventions = detect_layout(catalog, "model")
+        return catalog, to, full_target(catalog, dtype=parse_dtype(dtype), only=only, layout=conventions), None
     if to not in _MESH_FORMATS:
         raise UsageError(f"--to {to} holds whole tensors; --to-mesh lays out dcp, torch (one file per rank) or zarr")
     target = mesh_target(catalog, spec, load_placement_plan(placements, spec), dtype=parse_dtype(dtype),
-                         only=only, keep_per_rank=keep_per_rank)
+                         only=only, keep_per_rank=keep_per_rank, layout=conventions)
     return catalog, _MESH_FORMATS[to], target, spec
 
 

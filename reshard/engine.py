@@ -12,14 +12,14 @@ Two ways a piece gets its bytes:
   budget is therefore moved in pieces, never whole.
 
 Pieces are independent, so a thread pool overlaps reads, casts and writes (all release the
-GIL). Progress is counted in bytes.
+GIL). Progress is counted in bytes (``reshard.progress``: a bar on a terminal, a line every
+10 s in a log).
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import sys
 import threading
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,15 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.catalog import ChunkData
-from reshard.errors import CorruptCheckpointError
+from reshard.errors import CorruptCheckpointError, UsageError
 from reshard.formats.pieces import FileLayout, Piece
 from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
-from reshard.regions import StoredRegion, read_exact
+from reshard.fd_pool import FdPool
+from reshard.progress import Progress
+from reshard.regions import StoredRegion, as_region, read_exact
+from reshard.sizes import format_size
 
 __all__ = ["Engine", "EngineStats", "assemble"]
 
@@ -58,33 +60,15 @@ class EngineStats:
             self.buffered_bytes += buffered
 
 
-class _FdCache:
-    """One read-only descriptor per source file, shared by the workers (pread is positionless)."""
-
-    def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
-        self._lock = threading.Lock()
-
-    def get(self, path: Path) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            return fd
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
-
-
-def _read_part(data: ChunkData, box: Box, fds: _FdCache | None) -> torch.Tensor:
-    if isinstance(data, StoredRegion) and fds is not None:
-        return data.read_from(fds.get(data.path), box)
+def _read_part(data: ChunkData, box: Box, fds: FdPool | None) -> torch.Tensor:
+    region = as_region(data) if fds is not None else None
+    if region is not None:
+        with fds.use(region.path) as fd:
+            return region.read_from(fd, box)
     return data.read(box)
 
 
-def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: _FdCache | None = None) -> torch.Tensor:
+def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdPool | None = None) -> torch.Tensor:
     """The tensor for ``piece_box`` (global coordinates) in ``dtype``, read from ``sources``."""
     out = torch.empty(piece_box.sizes, dtype=dtype)
     for src in sources:
@@ -145,18 +129,49 @@ def _write_literals(fd: int, f: FileLayout) -> None:
         _pwrite_all(fd, b"".join(run), start)
 
 
+def _create(path: Path, f: FileLayout) -> None:
+    """The file at its full size, literal bytes in place; pieces are written into it later."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if f.size:
+            try:
+                os.posix_fallocate(fd, 0, f.size)  # fail now, not at 90%, if the disk is full
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise OSError(e.errno, e.strerror, str(path)) from None
+                os.ftruncate(fd, f.size)
+        _write_literals(fd, f)
+    finally:
+        os.close(fd)
+
+
 class Engine:
     def __init__(self, max_memory: int, *, workers: int | None = None, progress: bool = True,
                  desc: str = "writing", fsync: bool = False) -> None:
         self.max_memory = max_memory
         self.fsync = fsync
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
-        self.show_progress = progress and sys.stderr.isatty()
+        self.show_progress = progress
         self.desc = desc
+        self._stop = threading.Event()
+
+    def _workers_for(self, plan: Plan) -> int:
+        """Fewer workers where source chunks must be decoded whole (compressed zarr): each
+        worker holds one such chunk, on top of its slabs. One chunk alone past half the budget
+        is refused, naming what to do."""
+        whole = max((getattr(s.chunk.data, "decoded_bytes", 0) for srcs in plan.sources.values() for s in srcs), default=0)
+        if not whole:
+            return self.workers
+        if 2 * whole > self.max_memory:
+            need = -(-2 * whole // (1 << 20))  # MiB, rounded up: a value --max-memory takes as is
+            raise UsageError(f"the source has compressed chunks of {format_size(whole)}, each decoded whole; that needs "
+                             f"--max-memory {need}MiB or more (it is {format_size(self.max_memory)})")
+        return max(1, min(self.workers, self.max_memory // (2 * whole)))
 
     def _slab_bytes(self, piece: Piece, sources: list[Source]) -> int:
-        src_item = max((s.chunk.data.dtype.itemsize if isinstance(s.chunk.data, StoredRegion) else 8)
-                       for s in sources) if sources else 8
+        src_item = max(((r.dtype.itemsize if (r := as_region(s.chunk.data)) is not None else 8) for s in sources),
+                       default=8)
         item = piece.dtype.itemsize
         # Per slab a worker holds the slab, plus source reads of up to twice its element count.
         elems = self.max_memory // (self.workers * (item + 2 * src_item))
@@ -166,8 +181,8 @@ class Engine:
         """(region, source offset, offset in piece, length) per source, if all can be kernel-copied."""
         out = []
         for s in sources:
-            data = s.chunk.data
-            if not isinstance(data, StoredRegion) or data.dtype != piece.dtype:
+            data = as_region(s.chunk.data)
+            if data is None or data.dtype != piece.dtype:
                 return None
             src = data.byte_range(s.box.shifted(s.chunk.box.offsets))
             dst = contiguous_range(s.box.shifted(piece.box.offsets), piece.box.sizes)
@@ -176,25 +191,30 @@ class Engine:
             out.append((data, src[0], dst[0] * piece.dtype.itemsize, src[1]))
         return out
 
-    def _fill(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: _FdCache,
-              stats: EngineStats, bar: tqdm) -> None:
+    def _fill(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: FdPool,
+              stats: EngineStats, bar: Progress) -> None:
         self._copy_piece(fd, offset, piece, sources, fds, stats, bar)
         # With fsync, start writing this piece to disk now, in the background, so the final
         # fsync has little left to wait for (disk writes overlap the rest of the copy).
         if self.fsync and piece.nbytes and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, offset, piece.nbytes, os.POSIX_FADV_DONTNEED)
 
-    def _copy_piece(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: _FdCache,
-                    stats: EngineStats, bar: tqdm) -> None:
+    def _copy_piece(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: FdPool,
+                    stats: EngineStats, bar: Progress) -> None:
         copies = self._kernel_plan(piece, sources)
         if copies is not None:
             for region, src_off, at, n in copies:
-                _kernel_copy(fds.get(region.path), src_off, fd, offset + at, n, region.path)
+                if self._stop.is_set():
+                    return
+                with fds.use(region.path) as src_fd:
+                    _kernel_copy(src_fd, src_off, fd, offset + at, n, region.path)
                 stats.add(kernel=n)
                 bar.update(n)
             return
         at = offset
         for slab in c_order_slabs(piece.box, piece.dtype.itemsize, self._slab_bytes(piece, sources)):
+            if self._stop.is_set():  # the run failed or was interrupted: no point finishing this piece
+                return
             parts = [s for s in sources if s.box.intersect(slab) is not None]
             data = _as_bytes(assemble(slab, piece.dtype, parts, fds))
             _pwrite_all(fd, data, at)
@@ -208,25 +228,16 @@ class Engine:
         ``digests``: also hash every file of a directory output for the manifest, each as soon
         as its last piece is written, while it is in the page cache and while later files are
         still being copied (the pieces then go file by file instead of biggest first)."""
-        stats, fds, out_fds = EngineStats(), _FdCache(), {}
+        workers = self._workers_for(plan)
+        stats, fds, outs = EngineStats(), FdPool(os.O_RDONLY), FdPool(os.O_WRONLY)
+        paths = {f.relpath: root / f.relpath if output_is_dir else root for f in plan.files}
         digests = digests and output_is_dir
         hashing = ThreadPoolExecutor(self.workers) if digests else None
         hashed: dict[str, Future] = {}
-        bar = tqdm(total=plan.total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=self.desc, disable=not self.show_progress, file=sys.stderr)
+        bar = Progress(plan.total_bytes, self.desc, enabled=self.show_progress)
         try:
             for f in plan.files:
-                path = root / f.relpath if output_is_dir else root
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fd = out_fds[f.relpath] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                if f.size:
-                    try:
-                        os.posix_fallocate(fd, 0, f.size)  # fail now, not at 90%, if the disk is full
-                    except OSError as e:
-                        if e.errno == errno.ENOSPC:
-                            raise OSError(e.errno, e.strerror, str(path)) from None
-                        os.ftruncate(fd, f.size)
-                _write_literals(fd, f)
+                _create(paths[f.relpath], f)
             work = [(f.relpath, off, p) for f, off, p in plan.pieces()]
             if digests:
                 order = {f.relpath: i for i, f in enumerate(plan.files)}
@@ -237,7 +248,8 @@ class Engine:
             lock = threading.Lock()
 
             def fill(rel: str, off: int, piece: Piece) -> None:
-                self._fill(out_fds[rel], off, piece, plan.sources[piece], fds, stats, bar)
+                with outs.use(paths[rel]) as fd:
+                    self._fill(fd, off, piece, plan.sources[piece], fds, stats, bar)
                 if digests:
                     with lock:
                         left[rel] -= 1
@@ -247,28 +259,30 @@ class Engine:
             if digests:  # files of literal bytes only are complete already
                 hashed.update({f.relpath: hashing.submit(file_digest, root / f.relpath)
                                for f in plan.files if not left[f.relpath]})
-            with ThreadPoolExecutor(self.workers) as pool:
+            with ThreadPoolExecutor(workers) as pool:
                 futures = [pool.submit(fill, rel, off, p) for rel, off, p in work]
                 try:
                     for fut in futures:
                         fut.result()
                 except OSError as e:
+                    self._stop.set()
                     pool.shutdown(cancel_futures=True)
                     if e.filename is None:  # a full disk or I/O error on write: say where
                         raise OSError(e.errno, e.strerror, str(root)) from e
                     raise
-                except BaseException:
+                except BaseException:  # Ctrl-C lands here: workers stop at their next slab
+                    self._stop.set()
                     pool.shutdown(cancel_futures=True)
                     raise
             stats.digests = {rel: fut.result() for rel, fut in hashed.items()}
             if self.fsync:
-                for fd in out_fds.values():
-                    os.fsync(fd)
+                for path in paths.values():
+                    with outs.use(path) as fd:
+                        os.fsync(fd)
         finally:
             if hashing is not None:
                 hashing.shutdown(cancel_futures=True)
             bar.close()
             fds.close()
-            for fd in out_fds.values():
-                os.close(fd)
+            outs.close()
         return stats

@@ -9,6 +9,7 @@ slow to undo; ``dry_run`` stops after the check and touches no network.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -16,15 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError, ReshardError, UsageError
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, ReshardError, UsageError
 
-__all__ = ["hub_source", "check_folder", "push", "PushResult", "LARGE_FOLDER_BYTES"]
+__all__ = ["hub_source", "hub_files", "check_folder", "push", "PushResult", "LARGE_FOLDER_BYTES"]
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _WEIGHTS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json"]
-# Above this, ``upload_large_folder`` (resumable, several commits) where huggingface_hub has
-# it; recent huggingface_hub versions batch large folders inside ``upload_folder`` itself.
-LARGE_FOLDER_BYTES = 50 * 10**9
+# Above this, ``upload_large_folder`` (resumable, several commits, parallel workers), as the
+# Hub's own docs advise for folders of more than a few GB.
+LARGE_FOLDER_BYTES = 5 * 10**9
+HUB_FILE_LIMIT = 50 * 10**9  # the Hub refuses larger files (its docs: "max 50GB per file")
 _SKIP = (".git", ".cache")  # what upload_folder leaves out (and upload_large_folder's state)
 _LOCAL = ".reshard-"  # reshard's own bookkeeping (the .reshard-manifest.json of `verify --quick`)
 _IGNORE = [".cache/**", ".git/**", f"{_LOCAL}*"]
@@ -61,6 +63,26 @@ def hub_source(src: Path) -> tuple[Path, Path]:
     if not any(local.glob("*.safetensors")):
         raise CheckpointNotFoundError(f"{repo_id}: the repo has no *.safetensors weights (reshard reads those, not .bin files)")
     return local, Path.cwd() / repo_id.split("/")[-1]
+
+
+def hub_files(repo_id: str, names: list[str], *, what: str) -> Path:
+    """The snapshot folder holding ``names`` (those the repo has) of Hub repo ``repo_id``,
+    downloaded into huggingface_hub's cache, or found there when offline."""
+    repo, _, revision = repo_id.partition("@")
+    if not _REPO_ID.fullmatch(repo):
+        raise UsageError(f"{what} {repo_id}: no such file or folder, and not a Hub repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=names))
+    except RepositoryNotFoundError:
+        raise UsageError(f"{what} {repo_id}: no such Hub repo, or no access (log in with `hf auth login`)") from None
+    except LocalEntryNotFoundError:
+        raise UsageError(f"{what} {repo_id}: not in the local Hugging Face cache and the Hub cannot be reached "
+                         "(offline); give a local folder instead") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise UsageError(f"{what} {repo_id}: could not be downloaded: {_first_line(e)}") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -127,6 +149,9 @@ def check_folder(folder: Path) -> list[tuple[str, int]]:
 
 @dataclass
 class PushResult:
+    """What ``reshard.push`` sent (or, with ``dry_run``, would send): (path, bytes) per file,
+    the repo or pull-request URL, and what the user should know (stale weights left in the repo)."""
+
     repo_id: str
     files: list[tuple[str, int]]
     dry_run: bool
@@ -136,6 +161,10 @@ class PushResult:
     @property
     def bytes(self) -> int:
         return sum(n for _, n in self.files)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"repo_id": self.repo_id, "dry_run": self.dry_run, "url": self.url, "bytes": self.bytes,
+                "files": [{"path": p, "bytes": n} for p, n in self.files], "notices": list(self.notices)}
 
 
 def _offline() -> bool:
@@ -151,20 +180,54 @@ def _network_error(e: BaseException) -> bool:
     return isinstance(e, (OSError, ConnectionError, TimeoutError)) or module.startswith(("httpx", "httpcore", "requests", "urllib3"))
 
 
+def _check_arguments(folder: Path, repo_id: str) -> None:
+    """``hf upload`` takes REPO_ID PATH; push takes FOLDER REPO_ID: say so when they look swapped."""
+    if not folder.exists() and _REPO_ID.fullmatch(str(folder)) and Path(repo_id).is_dir():
+        raise UsageError(f"the arguments look swapped: reshard push takes FOLDER REPO_ID "
+                         f"(reshard push {repo_id} {folder}), the other way round from `hf upload REPO_ID PATH`")
+    if not _REPO_ID.fullmatch(repo_id):
+        raise UsageError(f"{repo_id!r} is not a Hub repo id; use owner/name (reshard push FOLDER REPO_ID)")
+
+
+def _selected(files: list[tuple[str, int]], include: list[str] | None, exclude: list[str] | None) -> list[tuple[str, int]]:
+    out = [(n, size) for n, size in files
+           if (not include or any(fnmatch.fnmatchcase(n, g) for g in include))
+           and not any(fnmatch.fnmatchcase(n, g) for g in exclude or [])]
+    if not out:
+        raise UsageError("--include/--exclude leave nothing to upload")
+    return out
+
+
+def _stale(existing: set[str], sending: set[str]) -> list[str]:
+    """Weight files the repo keeps that this push neither sends nor replaces: transformers may
+    load them instead of (or beside) the new ones."""
+    weights = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json", "*.pt", "*.pth")
+    return sorted(f for f in existing - sending if any(fnmatch.fnmatchcase(f, w) for w in weights))
+
+
 def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, revision: str | None = None,
-         commit_message: str | None = None, dry_run: bool = False) -> PushResult:
+         commit_message: str | None = None, dry_run: bool = False, token: str | None = None,
+         create_pr: bool = False, include: list[str] | None = None, exclude: list[str] | None = None) -> PushResult:
     """Upload HF model folder ``folder`` to Hub model repo ``repo_id`` (created if needed).
 
-    The folder is checked first (``check_folder``); ``dry_run=True`` returns the files and sizes
-    that would be sent without touching the network. A repo that already holds files other
-    than these is refused rather than mixed with them.
+    The folder is checked first (``check_folder``: config, index, headers, ties) and no file may
+    pass the Hub's 50 GB per-file limit; ``dry_run=True`` returns the files and sizes that would
+    be sent without touching the network. ``include``/``exclude`` are globs on the folder's
+    paths. A repo that already holds other files (a tokenizer uploaded first) is fine; weight
+    files the push would leave stale are named in ``notices``. ``create_pr`` opens a pull
+    request instead of committing to the branch. Folders over a few GB go through
+    huggingface_hub's resumable large-folder upload.
 
     >>> reshard.push("ckpt_hf/", "me/tiny-llama", private=True)
     """
-    if not _REPO_ID.fullmatch(repo_id):
-        raise UsageError(f"{repo_id!r} is not a Hub repo id; use owner/name")
     folder = Path(folder)
-    files = check_folder(folder)
+    _check_arguments(folder, repo_id)
+    files = _selected(check_folder(folder), include, exclude)
+    too_big = [(n, size) for n, size in files if size >= HUB_FILE_LIMIT]
+    if too_big:
+        name, size = too_big[0]
+        raise UsageError(f"{folder / name}: {size / 1e9:.1f} GB passes the Hub's 50 GB limit per file; re-export with "
+                         "--max-shard-size 5GB before pushing")
     result = PushResult(repo_id, files, dry_run)
     if dry_run:
         return result
@@ -173,30 +236,35 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, revi
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError
 
-    token = huggingface_hub.get_token()
+    token = token or huggingface_hub.get_token()
     if not token:
-        raise UsageError("no Hugging Face token: run `hf auth login` or set HF_TOKEN (a token with write access)")
+        raise UsageError("no Hugging Face token: run `hf auth login`, set HF_TOKEN or pass --token (write access)")
     api = huggingface_hub.HfApi(token=token)
+    allow = [name for name, _ in files]
     try:
         result.url = str(api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model"))
-        if revision:
+        if revision and not create_pr:
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
         existing = set(api.list_repo_files(repo_id, revision=revision, repo_type="model"))
-        other = sorted(existing - {name for name, _ in files} - {".gitattributes"})
-        if other:
-            raise OutputExistsError(f"{repo_id}: the repo already holds other files ({', '.join(other[:3])}"
-                                    f"{'...' if len(other) > 3 else ''}); push to a new repo or --revision, or delete them")
+        stale = _stale(existing, set(allow))
+        if stale:
+            result.notices.append(f"the repo keeps weight files this push does not replace: {', '.join(stale[:4])}"
+                                  f"{' ...' if len(stale) > 4 else ''}; delete them if they belong to an older export")
         large = getattr(api, "upload_large_folder", None)
-        if large is not None and result.bytes >= LARGE_FOLDER_BYTES:
+        if large is not None and result.bytes >= LARGE_FOLDER_BYTES and not create_pr:
             # Resumable and committed in parts; it takes no commit message and keeps its state
             # in FOLDER/.cache/huggingface, which later pushes skip.
-            large(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision, ignore_patterns=_IGNORE)
+            large(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision, allow_patterns=allow,
+                  ignore_patterns=_IGNORE)
             if commit_message:
                 result.notices.append("large folders are committed in parts with automatic messages; --commit-message not used")
         else:
-            api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
-                              commit_message=commit_message or f"Upload {folder.name} with reshard",
-                              ignore_patterns=_IGNORE)
+            info = api.upload_folder(repo_id=repo_id, folder_path=folder, repo_type="model", revision=revision,
+                                     commit_message=commit_message or f"Upload {folder.name} with reshard",
+                                     allow_patterns=allow, ignore_patterns=_IGNORE, create_pr=create_pr)
+            pr = getattr(info, "pr_url", None)
+            if pr:
+                result.url = str(pr)
     except ReshardError:
         raise
     except HfHubHTTPError as e:

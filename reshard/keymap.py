@@ -6,7 +6,13 @@ the first rule that matches it:
 
 * ``Rename``: regex -> replacement, optionally with the q/k RoPE row permutation;
 * ``Split``: one fused tensor (qkv, gate_up) -> its parts, cut along a dimension by a ratio;
-* ``Merge``: the parts -> the fused tensor (the inverse of ``Split``).
+* ``Merge``: the parts -> the fused tensor (the inverse of ``Split``);
+* ``Unstack``: a stacked tensor (torchtitan's grouped MoE experts ``[E, ...]``) -> one tensor
+  per index (HF's ``experts.{e}``); ``Stack`` is its inverse;
+* ``Drop``: a tensor the other side does not have (torchtitan's ``freqs_cis``), left out.
+
+The torchtitan presets are one table per model family (``keymap_presets``); which family a
+checkpoint is comes from its config (``model_type``) or, failing that, from its names.
 
 Rules see model FQNs, wherever the checkpoint keeps them: ``model.<fqn>`` of a training
 checkpoint, ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>``, the FQN lists of
@@ -19,6 +25,7 @@ source lazily, box by box (``keymap_chunks``).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,12 +33,13 @@ from typing import Any
 
 from reshard.catalog import Catalog
 from reshard.errors import UsageError
-from reshard.keymap_apply import Route, apply_keymap
+from reshard.keymap_apply import INDEX, Route, apply_keymap
 from reshard.keymap_patterns import Pattern, Replacement, invert, template
-from reshard.keymap_presets import HF_UNFUSE, TITAN_TO_HF, WRAPPERS
+from reshard.keymap_presets import HF_FAMILY, HF_UNFUSE, TITAN_FAMILIES, WRAPPERS
 from reshard.provenance import model_params
 
-__all__ = ["KeyMap", "Rename", "Split", "Merge", "Rope", "load_keymap", "keymap_from_json", "PRESETS"]
+__all__ = ["KeyMap", "FamilyKeyMap", "Rename", "Split", "Merge", "Unstack", "Stack", "Drop", "Rope", "load_keymap",
+           "keymap_from_json", "titan_family", "PRESETS"]
 
 
 @dataclass(frozen=True)
@@ -58,17 +66,22 @@ class Rename:
 
 @dataclass(frozen=True)
 class Split:
+    """One fused tensor -> its parts, in the ``ratio`` along ``dim``. With ``groups`` (a number
+    or the param giving it) the fused tensor interleaves the parts group by group, as
+    Megatron's ``linear_qkv`` does per query group: ``[g0: q k v | g1: q k v | ...]``."""
+
     pattern: Pattern
     parts: tuple[Replacement, ...]
     ratio: tuple[int | str, ...]
     dim: int = 0
+    groups: int | str | None = None
 
     def inverse(self) -> Merge:
         inverted = [invert(self.pattern, part) for part in self.parts]
         fused = {r.text for _, r in inverted}
         if len(fused) != 1:
             raise UsageError(f"split rule {self.pattern.regex!r} cannot be inverted: its parts use the groups in different orders")
-        return Merge(tuple(p for p, _ in inverted), inverted[0][1], self.ratio, self.dim)
+        return Merge(tuple(p for p, _ in inverted), inverted[0][1], self.ratio, self.dim, self.groups)
 
 
 @dataclass(frozen=True)
@@ -77,13 +90,53 @@ class Merge:
     replacement: Replacement
     ratio: tuple[int | str, ...]
     dim: int = 0
+    groups: int | str | None = None  # interleave the parts group by group (``Split.groups``)
 
     def inverse(self) -> Split:
         inverted = [invert(p, self.replacement) for p in self.parts]
-        return Split(inverted[0][0], tuple(r for _, r in inverted), self.ratio, self.dim)
+        return Split(inverted[0][0], tuple(r for _, r in inverted), self.ratio, self.dim, self.groups)
 
 
-Rule = Rename | Split | Merge
+@dataclass(frozen=True)
+class Unstack:
+    """``pattern`` names a tensor stacked along ``dim``; ``replacement`` names index ``e`` of it,
+    its last group standing for ``e`` (one group more than ``pattern`` has)."""
+
+    pattern: Pattern
+    replacement: Replacement
+    stacked: Replacement  # ``pattern``'s own text as a replacement, for the inverse
+    dim: int = 0
+
+    def inverse(self) -> Stack:
+        return Stack(Pattern(_regex(self.replacement)), self.stacked, self.replacement, self.dim)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Tensors whose names match ``pattern`` (last group: the index) -> one stacked tensor."""
+
+    pattern: Pattern
+    replacement: Replacement
+    unstacked: Replacement  # ``pattern``'s own text as a replacement, for the inverse
+    dim: int = 0
+
+    def inverse(self) -> Unstack:
+        return Unstack(Pattern(_regex(self.replacement)), self.unstacked, self.replacement, self.dim)
+
+
+@dataclass(frozen=True)
+class Drop:
+    """A tensor with no counterpart on the other side (a derived buffer): left out."""
+
+    pattern: Pattern
+
+
+def _regex(replacement: Replacement) -> str:
+    """The regex matching every output of a template's replacement (each group a number)."""
+    return "".join(re.escape(p) if isinstance(p, str) else r"(\d+)" for p in replacement.parts)
+
+
+Rule = Rename | Split | Merge | Unstack | Stack | Drop
 
 
 @dataclass(frozen=True)
@@ -94,10 +147,12 @@ class KeyMap:
     name: str = "keymap"
 
     def inverse(self) -> KeyMap:
-        """The map that undoes this one, derived from its rules (never written by hand)."""
+        """The map that undoes this one, derived from its rules (never written by hand); what a
+        ``Drop`` left out stays out."""
         if self.strip:
             raise UsageError(f"key map {self.name!r} strips wrapper prefixes, which cannot be put back; it has no inverse")
-        return KeyMap(tuple(r.inverse() for r in self.rules), (), self.params, f"inverse of {self.name}")
+        rules = tuple(r.inverse() for r in self.rules if not isinstance(r, Drop))
+        return KeyMap(rules, (), self.params, f"inverse of {self.name}")
 
     def route(self, fqn: str) -> Route | None:
         """Where ``fqn`` goes, or None when no rule and no wrapper touches it."""
@@ -107,12 +162,20 @@ class KeyMap:
                 rope = (rule.rope.heads, rule.rope.to_halves) if rule.rope else None
                 return Route("rename", (rule.replacement.render(g),), rope=rope)
             if isinstance(rule, Split) and (g := rule.pattern.match(stripped)) is not None:
-                return Route("split", tuple(p.render(g) for p in rule.parts), ratio=rule.ratio, dim=rule.dim)
+                return Route("split", tuple(p.render(g) for p in rule.parts), ratio=rule.ratio, dim=rule.dim,
+                             groups=rule.groups)
             if isinstance(rule, Merge):
                 for k, pattern in enumerate(rule.parts):
                     if (g := pattern.match(stripped)) is not None:
                         siblings = tuple(p.render(g) for p in rule.parts)
-                        return Route("merge", (rule.replacement.render(g),), dim=rule.dim, part=k, siblings=siblings)
+                        return Route("merge", (rule.replacement.render(g),), ratio=rule.ratio, dim=rule.dim, part=k,
+                                     siblings=siblings, groups=rule.groups)
+            if isinstance(rule, Unstack) and (g := rule.pattern.match(stripped)) is not None:
+                return Route("unstack", (rule.replacement.render(g + (INDEX,)),), dim=rule.dim)
+            if isinstance(rule, Stack) and (g := rule.pattern.match(stripped)) is not None:
+                return Route("stack", (rule.replacement.render(g[:-1]),), dim=rule.dim, part=int(g[-1]))
+            if isinstance(rule, Drop) and rule.pattern.match(stripped) is not None:
+                return Route("drop", ())
         return Route("rename", (stripped,)) if stripped != fqn else None
 
     def map_name(self, fqn: str) -> list[str]:
@@ -152,13 +215,80 @@ def _strip(fqn: str, strip: tuple[tuple[str, bool], ...]) -> str:
 # ------------------------------------------------------------------------------ presets and JSON
 
 
-def _titan_to_hf() -> KeyMap:
+def _titan_rules(family: str) -> KeyMap:
+    """torchtitan -> HF for one model family, accepting the names of every torchtitan era."""
     rules: list[Rule] = []
-    for titan, hf, heads in TITAN_TO_HF:
-        pattern, _ = template(titan)
-        _, replacement = template(hf)
-        rules.append(Rename(pattern, replacement, Rope(heads, to_halves=True) if heads else None))
-    return KeyMap(tuple(rules), name="titan-to-hf")
+    for titan, hf, transform, _era in TITAN_FAMILIES[family]:
+        pattern, own = template(titan)
+        if transform == "drop":
+            rules.append(Drop(pattern))
+            continue
+        _, replacement = template(hf or "")
+        if transform == "experts":
+            rules.append(Unstack(pattern, replacement, own))
+        else:
+            heads = transform.split(":", 1)[1] if transform and transform.startswith("rope:") else None
+            rules.append(Rename(pattern, replacement, Rope(heads, to_halves=True) if heads else None))
+    return KeyMap(tuple(rules), name=f"titan-to-hf ({family})")
+
+
+def _hf_rules(family: str, era: str) -> KeyMap:
+    """HF -> torchtitan for one family, writing one era's names (the inverse of the rows of
+    that era, derived: a name torchtitan spells two ways maps back one way)."""
+    forward = _titan_rules(family)
+    kept = tuple(rule for rule, row in zip(forward.rules, TITAN_FAMILIES[family]) if row[3] in (era, "*"))
+    return replace(KeyMap(kept).inverse(), name=f"hf-to-titan ({family})")
+
+
+@dataclass(frozen=True)
+class FamilyKeyMap:
+    """A torchtitan preset: one ``KeyMap`` per model family, chosen per checkpoint from its
+    config's ``model_type`` (``--config``, or the config it records), else from its names
+    (q/k norms: qwen3; low-rank kv: deepseek_v3; neither: llama3)."""
+
+    name: str
+    families: Mapping[str, KeyMap]
+
+    def for_catalog(self, catalog: Catalog) -> KeyMap:
+        return self.families[titan_family(catalog)]
+
+    def apply(self, catalog: Catalog) -> Catalog:
+        return self.for_catalog(catalog).apply(catalog)
+
+    def route(self, fqn: str) -> Route | None:
+        """Where ``fqn`` goes under the first family whose table knows it."""
+        for km in self.families.values():
+            found = km.route(fqn)
+            if found is not None:
+                return found
+        return None
+
+    def map_name(self, fqn: str) -> list[str]:
+        r = self.route(fqn)
+        return [fqn] if r is None else list(r.names)
+
+    def inverse(self) -> FamilyKeyMap:
+        return FamilyKeyMap(f"inverse of {self.name}", {f: km.inverse() for f, km in self.families.items()})
+
+
+_NAME_HINTS = (("deepseek_v3", ("wkv_a", "kv_a_proj_with_mqa")), ("qwen3", ("q_norm.weight", "moe.", "mlp.experts.")))
+
+
+def titan_family(catalog: Catalog) -> str:
+    """The torchtitan model family of a checkpoint (either side of the map)."""
+    from reshard.provenance import hf_configs, training_config
+
+    config, _ = hf_configs(catalog)
+    model_type = (config or {}).get("model_type")
+    if model_type is not None:
+        if model_type not in HF_FAMILY:
+            raise UsageError(f"{catalog.path}: its config's model_type {model_type!r} has no torchtitan key map; "
+                             f"known: {', '.join(HF_FAMILY)} (or give a JSON key map)")
+        return HF_FAMILY[model_type]
+    if training_config(catalog) is not None:
+        return "llama3"  # the project's training model
+    names = " ".join(catalog.tensors)
+    return next((family for family, hints in _NAME_HINTS if any(h in names for h in hints)), "llama3")
 
 
 def _hf_unfuse() -> KeyMap:
@@ -168,12 +298,14 @@ def _hf_unfuse() -> KeyMap:
     return KeyMap(tuple(rules), name="hf-unfuse")
 
 
-PRESETS: dict[str, Callable[[], KeyMap]] = {
-    "titan-to-hf": _titan_to_hf,
-    "hf-to-titan": lambda: replace(_titan_to_hf().inverse(), name="hf-to-titan"),
+PRESETS: dict[str, Callable[[], Any]] = {
+    "titan-to-hf": lambda: FamilyKeyMap("titan-to-hf", {f: _titan_rules(f) for f in TITAN_FAMILIES}),
+    "hf-to-titan": lambda: FamilyKeyMap("hf-to-titan", {f: _hf_rules(f, "v2") for f in TITAN_FAMILIES}),
+    "hf-to-titan-0.3": lambda: FamilyKeyMap("hf-to-titan-0.3", {f: _hf_rules(f, "v3") for f in TITAN_FAMILIES}),
     "hf-unfuse": _hf_unfuse,
     "hf-fuse": lambda: replace(_hf_unfuse().inverse(), name="hf-fuse"),
     "strip-wrappers": lambda: KeyMap(strip=WRAPPERS, name="strip-wrappers"),
+    "megatron-to-hf": lambda: __import__("reshard.keymap_megatron", fromlist=["megatron_to_hf"]).megatron_to_hf(),
 }
 
 
@@ -234,10 +366,11 @@ def keymap_from_json(doc: Any, where: str) -> KeyMap:
     return KeyMap(tuple(_json_rule(r, f"{where} rule {i}") for i, r in enumerate(rules)), strip, params, where)
 
 
-def load_keymap(spec: str | Path | dict | KeyMap) -> KeyMap:
-    """A preset name (``titan-to-hf``, ``hf-to-titan``, ``hf-unfuse``, ``hf-fuse``,
-    ``strip-wrappers``), a path to a JSON map, an already parsed JSON map, or a ``KeyMap``."""
-    if isinstance(spec, KeyMap):
+def load_keymap(spec: str | Path | dict | KeyMap | FamilyKeyMap) -> KeyMap | FamilyKeyMap:
+    """A preset name (``titan-to-hf``, ``hf-to-titan``, ``hf-to-titan-0.3``, ``hf-unfuse``,
+    ``hf-fuse``, ``strip-wrappers``, ``megatron-to-hf``), a path to a JSON map, an already parsed
+    JSON map, or a map."""
+    if isinstance(spec, (KeyMap, FamilyKeyMap)):
         return spec
     if isinstance(spec, dict):
         return keymap_from_json(spec, "key map")

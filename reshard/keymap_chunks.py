@@ -18,9 +18,10 @@ import torch
 from reshard.boxes import Box, full_box
 from reshard.catalog import Chunk, ChunkData, TensorEntry
 from reshard.errors import UsageError
-from reshard.regions import StoredRegion
+from reshard.regions import StoredRegion, as_region
 
-__all__ = ["read_box", "part_chunks", "shifted_chunks", "RowGather", "rope_rows", "gathered_entry"]
+__all__ = ["read_box", "part_chunks", "shifted_chunks", "index_chunks", "stacked_chunks", "RowGather", "rope_rows",
+           "gathered_entry"]
 
 
 def read_box(entry: TensorEntry, box: Box) -> torch.Tensor:
@@ -45,12 +46,13 @@ class _Offset:
 
 
 def _narrowed(data: ChunkData, delta: tuple[int, ...], sizes: tuple[int, ...]) -> ChunkData:
-    if not any(delta) and isinstance(data, StoredRegion) and data.shape == sizes:
-        return data
-    if isinstance(data, StoredRegion) and data.strides is None:
-        run = data.byte_range(Box(delta, sizes))
+    region = as_region(data)
+    if not any(delta) and region is not None and region.shape == sizes:
+        return region
+    if region is not None and region.strides is None:
+        run = region.byte_range(Box(delta, sizes))
         if run is not None:
-            return StoredRegion(data.path, run[0], data.dtype, sizes)
+            return StoredRegion(region.path, run[0], region.dtype, sizes)
     return _Offset(data, delta)
 
 
@@ -75,6 +77,50 @@ def shifted_chunks(entry: TensorEntry, dim: int, start: int) -> list[Chunk]:
         offsets = tuple(o + start if d == dim else o for d, o in enumerate(c.box.offsets))
         out.append(Chunk(Box(offsets, c.box.sizes), c.data))
     return out
+
+
+@dataclass(frozen=True)
+class _Squeezed:
+    """``data`` read with one more dim of size 1 at ``dim`` than the boxes asked of it have."""
+
+    data: ChunkData
+    dim: int
+    at: int  # the index along ``dim`` inside ``data``
+
+    def read(self, box: Box) -> torch.Tensor:
+        inner = Box(box.offsets[:self.dim] + (self.at,) + box.offsets[self.dim:], box.sizes[:self.dim] + (1,) + box.sizes[self.dim:])
+        return self.data.read(inner).squeeze(self.dim)
+
+
+@dataclass(frozen=True)
+class _Unsqueezed:
+    """``data`` read through boxes with an extra dim of size 1 at ``dim``."""
+
+    data: ChunkData
+    dim: int
+
+    def read(self, box: Box) -> torch.Tensor:
+        inner = Box(box.offsets[:self.dim] + box.offsets[self.dim + 1:], box.sizes[:self.dim] + box.sizes[self.dim + 1:])
+        return self.data.read(inner).unsqueeze(self.dim)
+
+
+def index_chunks(entry: TensorEntry, dim: int, index: int) -> list[Chunk]:
+    """Chunks of ``entry[..., index, ...]`` (``index`` along ``dim``, that dim dropped): one
+    expert of a grouped MoE tensor, made of the parts of the stored chunks that hold it."""
+    out = []
+    for chunk in entry.chunks:
+        lo, n = chunk.box.offsets[dim], chunk.box.sizes[dim]
+        if not lo <= index < lo + n:
+            continue
+        box = Box(chunk.box.offsets[:dim] + chunk.box.offsets[dim + 1:], chunk.box.sizes[:dim] + chunk.box.sizes[dim + 1:])
+        out.append(Chunk(box, _Squeezed(chunk.data, dim, index - lo)))
+    return out
+
+
+def stacked_chunks(entry: TensorEntry, dim: int, index: int) -> list[Chunk]:
+    """``entry``'s chunks as index ``index`` along a new dim ``dim`` of a stacked tensor."""
+    return [Chunk(Box(c.box.offsets[:dim] + (index,) + c.box.offsets[dim:], c.box.sizes[:dim] + (1,) + c.box.sizes[dim:]),
+                  _Unsqueezed(c.data, dim)) for c in entry.chunks]
 
 
 def rope_rows(rows: int, heads: int, *, to_halves: bool) -> torch.Tensor:

@@ -19,6 +19,7 @@ from reshard.boxes import Box
 from reshard.errors import UsageError
 
 __all__ = [
+    "KNOWN_DIMS",
     "REPLICATE",
     "MeshSpec",
     "Placement",
@@ -44,6 +45,9 @@ def shard(dim: int) -> Placement:
 
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _DEFAULT_NAMES = {1: ("dp_shard",), 2: ("dp_replicate", "dp_shard")}
+# Named mesh dims reshard understands (torchtitan's names); anything else is a typo until a
+# PLAN.json says what it means (--placements).
+KNOWN_DIMS = ("dp_replicate", "dp_shard", "tp", "cp", "ep", "pp")
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,9 @@ def parse_mesh(spec: str) -> MeshSpec:
             name = name.strip()
             if not eq or not _NAME.match(name) or not size.strip().isdigit():
                 raise UsageError(f"mesh spec {spec!r}: {part.strip()!r} is not NAME=SIZE; {hint}")
+            if name not in KNOWN_DIMS:
+                raise UsageError(f"mesh spec {spec!r}: unknown dimension {name!r}; name dims "
+                                 f"{', '.join(KNOWN_DIMS)} (or give the shape only: 8, 4x8)")
             if name in names:
                 raise UsageError(f"mesh spec {spec!r} names {name!r} twice")
             names.append(name)

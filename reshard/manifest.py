@@ -50,7 +50,7 @@ class FileDigest:
 @dataclass(frozen=True)
 class ManifestProblem:
     relpath: str
-    kind: str  # "size", "checksum", "missing", "extra"
+    kind: str  # "size", "checksum", "missing", "not_in_manifest"
     detail: str
 
 
@@ -161,14 +161,15 @@ def read_manifest(root: Path) -> dict[str, FileDigest]:
 
 def check_manifest(root: Path, *, workers: int | None = None) -> tuple[int, list[ManifestProblem]]:
     """(files checked, problems) for folder ``root`` against its manifest: each file whose
-    size or hash differs, that is missing, or that the manifest does not list. Sizes are
+    size or hash differs, that is missing, or that the manifest does not list (a file added
+    afterwards, a README or tokenizer copied in: the caller decides what that means). Sizes are
     compared first, so a truncated file is reported without reading it."""
     root = Path(root)
     expected = read_manifest(root)
     present = set(_files(root))
     problems = [ManifestProblem(rel, "missing", "listed in the manifest but not in the folder")
                 for rel in sorted(set(expected) - present)]
-    problems += [ManifestProblem(rel, "extra", "in the folder but not in the manifest")
+    problems += [ManifestProblem(rel, "not_in_manifest", "in the folder but not in the manifest (added later?)")
                  for rel in sorted(present - set(expected))]
     same_size = []
     for rel in sorted(set(expected) & present):

@@ -12,27 +12,23 @@ from typing import Any
 
 from reshard.catalog import Catalog, Target
 from reshard.mesh_target import mesh_target, uneven_dims
-from reshard.placements import param_fqn
+from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
 from reshard.sizes import format_size
 
 __all__ = ["mesh_summary", "mesh_table", "summarize_for_mesh"]
 
 
-def _kind(name: str, sectioned: bool) -> str:
-    if name.startswith("optim."):
-        return "optim"
-    return "params" if param_fqn(name, sectioned=sectioned) is not None else "other"
+_KINDS = {PARAM: "params", OPTIM_STATE: "optim", OPTIM_GROUP: "optim"}
 
 
-def mesh_summary(target: Target) -> dict[str, Any]:
+def mesh_summary(target: Target, layout: Layout) -> dict[str, Any]:
     mesh = target.mesh
     if mesh is None:
         raise ValueError("mesh_summary needs a target laid out for a mesh")
-    sectioned = any(n.startswith(("model.", "optim.state.")) for n in target.tensors)
     per_rank = [{"rank": r, "params": 0, "optim": 0, "other": 0} for r in range(mesh.world_size)]
     uneven = {}
     for t in target.tensors.values():
-        kind = _kind(t.name, sectioned)
+        kind = _KINDS.get(layout.role(t.name), "other")
         for r, box in enumerate(t.local or []):
             per_rank[r][kind] += box.numel * t.dtype.itemsize
         notes = uneven_dims(t.shape, t.placements or (), mesh)
@@ -52,13 +48,38 @@ def mesh_summary(target: Target) -> dict[str, Any]:
     }
 
 
+def _runs(ranks: list[int]) -> str:
+    """``0-3, 8, 10-11``: consecutive ranks as ranges."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
 def mesh_table(summary: dict[str, Any]) -> str:
+    """Ranks that hold the same bytes share one row (a 128-rank mesh is a few rows, not 128);
+    the largest and smallest rank are always named."""
     mesh = summary["mesh"]
-    lines = [f"on mesh {', '.join(f'{n}={s}' for n, s in zip(mesh['names'], mesh['shape']))}:",
-             f"{'rank':>5}  {'params':>10}  {'optim':>10}  {'other':>10}  {'total':>10}"]
+    keys = ("params", "optim", "other", "total")
+    groups: dict[tuple[int, ...], list[int]] = {}
     for row in summary["ranks"]:
-        lines.append(f"{row['rank']:>5}  " + "  ".join(f"{format_size(row[k]):>10}" for k in ("params", "optim", "other", "total")))
-    lines.append(f"largest rank: {format_size(summary['max_rank_bytes'])}; imbalance (max/mean): {summary['imbalance']:.3f}")
+        groups.setdefault(tuple(row[k] for k in keys), []).append(row["rank"])
+    lines = [f"on mesh {', '.join(f'{n}={s}' for n, s in zip(mesh['names'], mesh['shape']))}:",
+             f"{'ranks':>12}  {'params':>10}  {'optim':>10}  {'other':>10}  {'total':>10}"]
+    for values, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        label = _runs(ranks)
+        label = label if len(label) <= 12 else f"{len(ranks)} ranks"
+        lines.append(f"{label:>12}  " + "  ".join(f"{format_size(v):>10}" for v in values))
+    totals = [(row["total"], row["rank"]) for row in summary["ranks"]]
+    if totals:
+        most, big = max(totals, key=lambda t: (t[0], -t[1]))
+        least, small = min(totals)
+        lines.append(f"largest rank: {big} ({format_size(most)}); smallest rank: {small} ({format_size(least)}); "
+                     f"imbalance (max/mean): {summary['imbalance']:.3f}")
     if summary["uneven"]:
         lines.append(f"warning: {len(summary['uneven'])} tensors do not divide evenly over the mesh:")
         lines += [f"  {n}: {'; '.join(notes)}" for n, notes in list(summary["uneven"].items())[:20]]
@@ -73,4 +94,5 @@ def summarize_for_mesh(catalog: Catalog, spec: str, placements: str | None) -> d
     from reshard.placements import load_placement_plan
 
     mesh = parse_mesh(spec)
-    return mesh_summary(mesh_target(catalog, mesh, load_placement_plan(placements, mesh)))
+    layout = detect_layout(catalog)
+    return mesh_summary(mesh_target(catalog, mesh, load_placement_plan(placements, mesh), layout=layout), layout)

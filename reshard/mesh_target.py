@@ -9,29 +9,21 @@ is dropped with a notice naming each entry unless the user asks to keep it as it
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from reshard.catalog import Catalog, Target, TargetTensor
+from reshard.catalog import Catalog, Target, TargetTensor, pick_objects
+from reshard.conventions import PER_RANK, Layout, detect_layout, is_per_rank
 from reshard.layout import MeshSpec, distinct_boxes, format_placement, local_boxes
 from reshard.placements import PlacementPlan, assign_placements
-from reshard.plan import cast_dtype, select
+from reshard.plan import Casting, select
 
 __all__ = ["mesh_target", "per_rank_names", "uneven_dims"]
 
-# A name part that says "this is one rank's": rank3, dp_rank_3, rank-3, rng/RNG states,
-# data loader positions. Matched per dotted component so "rank" inside a word does not count.
-_PER_RANK = re.compile(
-    r"^(?:(?:dp_|tp_|pp_|global_|local_)?rank[_-]?\d+|rng|rngs|rng_state|rng_states|random_state|"
-    r"cuda_rng_state|torch_rng_state|numpy_rng_state|py_rng_state|dataloader|data_loader|dataloaders)$",
-    re.IGNORECASE,
-)
-
-
-def per_rank_names(names: list[str]) -> list[str]:
+def per_rank_names(names: list[str], layout: Layout | None = None) -> list[str]:
     """Names of entries that hold one rank's private state."""
-    return [n for n in names if any(_PER_RANK.match(part) for part in n.split("."))]
+    if layout is None:
+        return [n for n in names if is_per_rank(n)]
+    return [n for n in names if layout.role(n) == PER_RANK]
 
 
 def uneven_dims(shape: tuple[int, ...], placements: tuple, mesh: MeshSpec) -> list[str]:
@@ -49,12 +41,13 @@ def uneven_dims(shape: tuple[int, ...], placements: tuple, mesh: MeshSpec) -> li
 
 def mesh_target(
     catalog: Catalog, mesh: MeshSpec, plan: PlacementPlan, *, dtype: torch.dtype | None = None,
-    only: str | None = None, keep_per_rank: bool = False,
+    only: str | None = None, keep_per_rank: bool = False, layout: Layout | None = None,
 ) -> Target:
-    names, objects = select(catalog, only)
+    layout = layout or detect_layout(catalog)
+    names, objects = select(catalog, only, layout)
     source_ranks = catalog.attrs.get("source_world_size")
-    private = per_rank_names(names + objects)
-    notices = []
+    private = per_rank_names(names + objects, layout)
+    notices = list(catalog.notices)
     if private and source_ranks != mesh.world_size:
         was = f"{source_ranks} ranks" if source_ranks else "an unknown rank count"
         if keep_per_rank:
@@ -66,12 +59,13 @@ def mesh_target(
             )
             names = [n for n in names if n not in private]
             objects = [n for n in objects if n not in private]
-    placements = assign_placements(plan, mesh, {n: catalog.tensors[n].shape for n in names})
+    placements = assign_placements(plan, mesh, {n: catalog.tensors[n].shape for n in names}, layout)
+    casting = Casting(catalog, dtype, layout)
     load = [0] * mesh.world_size
     tensors = {}
     for name in names:
         entry = catalog.tensors[name]
-        out_dtype = cast_dtype(entry.dtype, dtype)
+        out_dtype = casting.dtype(name, entry)
         local = local_boxes(entry.shape, placements[name], mesh)
         boxes, ranks = distinct_boxes(local, out_dtype.itemsize, load)
         tensors[name] = TargetTensor(name, entry.shape, out_dtype, boxes, ranks, local=local, placements=placements[name])
@@ -81,7 +75,7 @@ def mesh_target(
     attrs["target_placements"] = {n: [format_placement(p) for p in t.placements or ()] for n, t in tensors.items()}
     return Target(
         tensors=tensors,
-        objects={n: catalog.objects[n] for n in objects},
+        objects=pick_objects(catalog.objects, objects),
         paths={n: p for n, p in catalog.paths.items() if n in kept},
         attrs=attrs,
         world_size=mesh.world_size,

@@ -2,7 +2,8 @@
 
 A plan maps parameter-name globs to one placement per mesh dimension; the first pattern that
 matches wins, and optimizer state follows its parameter (``optim.state.<fqn>.exp_avg`` is
-placed like ``model.<fqn>``). Presets cover the usual layouts: ``fsdp`` (``Shard(0)`` on a 1-D
+placed like ``model.<fqn>``, under whichever names the checkpoint's tool uses: see
+``reshard.conventions``). Presets cover the usual layouts: ``fsdp`` (``Shard(0)`` on a 1-D
 mesh), ``hsdp`` (``Replicate, Shard(0)`` on a 2-D mesh) and ``fsdp+tp`` for the project's
 Llama-style training model (column-wise wq/wk/wv/w1/w3, row-wise wo/w2, replicated norms).
 A PLAN.json says the same in data::
@@ -23,6 +24,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from reshard.conventions import Layout
 from reshard.errors import UsageError
 from reshard.layout import (
     REPLICATE,
@@ -33,7 +35,7 @@ from reshard.layout import (
     shard,
 )
 
-__all__ = ["PlacementPlan", "assign_placements", "load_placement_plan", "param_fqn"]
+__all__ = ["PlacementPlan", "assign_placements", "load_placement_plan"]
 
 _S0, _S1, _R = shard(0), shard(1), REPLICATE
 
@@ -47,20 +49,38 @@ class PlacementPlan:
     strict_patterns: bool = True  # every pattern must match some tensor
 
 
-def _tp_preset() -> PlacementPlan:
-    col, row, rep = (_S0, _S0), (_S0, _S1), (_S0, _R)
-    rules = (
-        ("tok_embeddings.weight", col),
-        ("layers.*.attention.w[qkv].weight", col),
-        ("layers.*.attention.wo.weight", row),
-        ("layers.*.feed_forward.w[13].weight", col),
-        ("layers.*.feed_forward.w2.weight", row),
-        ("layers.*.attention_norm.weight", rep),
-        ("layers.*.ffn_norm.weight", rep),
-        ("norm.weight", rep),
-        ("output.weight", col),
-    )
-    return PlacementPlan("fsdp+tp", rules, rep, ("dp_shard", "tp"), strict_patterns=False)
+# Tensor parallelism for Llama-style models, per parameter FQN: "col" shards the output dim
+# (Shard(0) of a Linear weight: q/k/v, gate/up, the vocab of embeddings and the output head),
+# "row" the input dim (Shard(1): o/down), everything else (norms, o/down biases) is replicated
+# over tp. Both families of names: torchtitan's (and this project's training model), and HF's
+# for llama, mistral, qwen2/qwen3 (q/k/v biases, q/k norms) and the like.
+_TP_RULES: tuple[tuple[str, str], ...] = (
+    ("tok_embeddings.weight", "col"),
+    ("layers.*.attention.w[qkv].weight", "col"),
+    ("layers.*.attention.wo.weight", "row"),
+    ("layers.*.feed_forward.w[13].weight", "col"),
+    ("layers.*.feed_forward.w2.weight", "row"),
+    ("output.weight", "col"),
+    ("model.embed_tokens.weight", "col"),
+    ("model.layers.*.self_attn.[qkv]_proj.weight", "col"),
+    ("model.layers.*.self_attn.[qkv]_proj.bias", "col"),
+    ("model.layers.*.self_attn.o_proj.weight", "row"),
+    ("model.layers.*.mlp.gate_proj.weight", "col"),
+    ("model.layers.*.mlp.up_proj.weight", "col"),
+    ("model.layers.*.mlp.down_proj.weight", "row"),
+    ("lm_head.weight", "col"),
+)
+
+
+def _tp_preset(mesh: MeshSpec) -> PlacementPlan:
+    """FSDP (Shard(0) over dp_shard, Replicate over dp_replicate) times the TP table; the mesh's
+    last dim is tp."""
+    dp = tuple(_R if n == "dp_replicate" else _S0 for n in mesh.names[:-1])
+    tp = {"col": _S0, "row": _S1}
+    rules = tuple((pattern, dp + (tp[kind],)) for pattern, kind in _TP_RULES)
+    names = ("dp_replicate", "dp_shard", "tp") if mesh.ndim == 3 else ("dp_shard", "tp")
+    return PlacementPlan("fsdp+tp", rules, dp + (_R,), names, strict_patterns=False)
+
 
 
 def _preset(name: str, mesh: MeshSpec) -> PlacementPlan:
@@ -73,9 +93,10 @@ def _preset(name: str, mesh: MeshSpec) -> PlacementPlan:
             raise UsageError(f"--placements hsdp needs a 2-D mesh (replicate x shard), got {mesh}")
         return PlacementPlan("hsdp", (), (_R, _S0))
     if name == "fsdp+tp":
-        if mesh.ndim != 2:
-            raise UsageError(f"--placements fsdp+tp needs a 2-D mesh (dp_shard x tp), got {mesh}")
-        return _tp_preset()
+        if mesh.ndim not in (2, 3):
+            raise UsageError(f"--placements fsdp+tp needs a 2-D mesh (dp_shard x tp) or dp_replicate x dp_shard x tp, "
+                             f"got {mesh}")
+        return _tp_preset(mesh)
     raise UsageError(f"unknown placements {name!r}: use fsdp, hsdp, fsdp+tp or a PLAN.json file")
 
 
@@ -108,12 +129,25 @@ def _read_plan_file(path: Path) -> PlacementPlan:
     return PlacementPlan(path.name, rules, default, tuple(mesh) if mesh else None)
 
 
+def _default_for(mesh: MeshSpec) -> str:
+    """The placements a mesh's dimension names ask for: ``dp_shard`` -> fsdp, ``dp_replicate,
+    dp_shard`` -> hsdp, ``dp_shard,tp`` (or ``dp_replicate,dp_shard,tp``) -> fsdp+tp. Any other
+    mesh needs --placements: guessing would lay tensors out for a parallelism the names do not say."""
+    if mesh.names == ("dp_shard",):
+        return "fsdp"
+    if mesh.names == ("dp_replicate", "dp_shard"):
+        return "hsdp"
+    if mesh.names in (("dp_shard", "tp"), ("dp_replicate", "dp_shard", "tp")):
+        return "fsdp+tp"
+    raise UsageError(
+        f"mesh {mesh} has no default placements; give --placements fsdp (dp_shard=N), hsdp "
+        "(dp_replicate=R,dp_shard=S), fsdp+tp (dp_shard=S,tp=T; Llama-style torchtitan or HF names) or a PLAN.json")
+
+
 def load_placement_plan(spec: str | None, mesh: MeshSpec) -> PlacementPlan:
-    """``None`` picks the default for the mesh: ``fsdp`` on 1-D, ``hsdp`` on 2-D."""
+    """``None`` picks what the mesh's dimension names say (``_default_for``)."""
     if spec is None:
-        if mesh.ndim > 2:
-            raise UsageError(f"a {mesh.ndim}-D mesh ({mesh}) has no default placements; give --placements PLAN.json")
-        spec = "fsdp" if mesh.ndim == 1 else "hsdp"
+        spec = _default_for(mesh)
     plan = _read_plan_file(Path(spec)) if spec.lower().endswith(".json") else _preset(spec.lower(), mesh)
     _check_mesh(plan, mesh)
     return plan
@@ -133,28 +167,17 @@ def _check_mesh(plan: PlacementPlan, mesh: MeshSpec) -> None:
         raise UsageError(f"placement plan {plan.name}: default has {len(plan.default)} placements, the mesh {mesh} has {mesh.ndim} dimensions")
 
 
-def param_fqn(name: str, *, sectioned: bool = True) -> str | None:
-    """The parameter a tensor belongs to: ``model.X`` and ``optim.state.X.<key>`` give ``X``.
-    In a checkpoint with sections, tensors of any other section (``extra.``, ``train.``) are
-    not parameters and stay whole; in a flat state dict every name is its own parameter."""
-    if name.startswith("model."):
-        return name[len("model."):]
-    if name.startswith("optim.state."):
-        return name[len("optim.state."):].rpartition(".")[0] or None
-    return None if sectioned else name
-
-
 def assign_placements(
-    plan: PlacementPlan, mesh: MeshSpec, shapes: dict[str, tuple[int, ...]]
+    plan: PlacementPlan, mesh: MeshSpec, shapes: dict[str, tuple[int, ...]], layout: Layout,
 ) -> dict[str, tuple[Placement, ...]]:
-    """Placements for every tensor; non-parameters and 0-d tensors (optimizer ``step``) are
-    replicated, as FSDP2 keeps them."""
+    """Placements for every tensor: a parameter's from the plan, and its optimizer state's the
+    same (found through the same FQN, whatever the tool's names); non-parameters and 0-d
+    tensors (optimizer ``step``) are replicated, as FSDP2 keeps them."""
     replicated = (REPLICATE,) * mesh.ndim
-    sectioned = any(n.startswith(("model.", "optim.state.")) for n in shapes)
     used: set[str] = set()
     out = {}
     for name, shape in shapes.items():
-        fqn = param_fqn(name, sectioned=sectioned)
+        fqn = layout.param_fqn(name)
         if fqn is None or not shape:
             out[name] = replicated
             continue

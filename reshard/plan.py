@@ -9,16 +9,20 @@ the engine only executes it.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk, Target, TargetTensor, TensorEntry
+from reshard.catalog import (Catalog, Chunk, IndexedTensorEntry, NestedPath, ObjectTable, Target, TargetTensor, TensorEntry,
+                             object_loader, pick_objects)
+from reshard.conventions import PARAM, Layout, detect_layout
 from reshard.errors import UsageError
 from reshard.formats.pieces import FileLayout, Piece
+from reshard.structure import CONTAINERS_ATTR
 
-__all__ = ["Plan", "Source", "full_target", "make_plan", "select", "sources_for"]
+__all__ = ["Plan", "Source", "Casting", "full_target", "make_plan", "model_section", "select", "sources_for"]
 
 
 @dataclass(frozen=True)
@@ -52,18 +56,17 @@ class Plan:
                     yield f, off, seg
 
 
-def _in_section(name: str, only: str) -> bool:
-    return name == only or name.startswith(only + ".")
-
-
-def select(catalog: Catalog, only: str | None) -> tuple[list[str], list[str]]:
-    """Tensor and object names kept by ``--only model|optim|PREFIX``."""
+def select(catalog: Catalog, only: str | None, layout: Layout | None = None) -> tuple[list[str], list[str]]:
+    """Tensor and object names kept by ``--only model|optim|PREFIX`` (the model and the
+    optimizer found by the checkpoint's layout, whatever its tool calls their sections)."""
     tensors, objects = list(catalog.tensors), list(catalog.objects)
     if only:
-        tensors = [n for n in tensors if _in_section(n, only)]
-        objects = [n for n in objects if _in_section(n, only)]
+        layout = layout or detect_layout(catalog)
+        tensors = [n for n in tensors if layout.in_section(n, only)]
+        objects = [n for n in objects if layout.in_section(n, only)]
         if not tensors and not objects:
-            raise UsageError(f"--only {only!r} matches nothing in {catalog.path}; try `reshard inspect` for names")
+            raise UsageError(f"--only {only!r} matches nothing in {catalog.path} (layout {layout.name}); "
+                             "try `reshard inspect` for names")
     return tensors, objects
 
 
@@ -72,23 +75,75 @@ def cast_dtype(dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
     return to if to is not None and dtype.is_floating_point else dtype
 
 
-def full_target(catalog: Catalog, *, dtype: torch.dtype | None = None, only: str | None = None) -> Target:
+class Casting:
+    """``--dtype`` for one catalog: parameters and their floating optimizer moments are cast;
+    optimizer ``step``, other scalar state, integer tensors and non-model state are not."""
+
+    def __init__(self, catalog: Catalog, to: torch.dtype | None, layout: Layout) -> None:
+        self.to, self.layout = to, layout
+        self.param_shapes = {p.fqn: t.shape for n, t in catalog.tensors.items()
+                             if (p := layout.place(n)).role == PARAM and p.fqn is not None}
+
+    def dtype(self, name: str, entry: TensorEntry) -> torch.dtype:
+        if self.to is None or not entry.dtype.is_floating_point:
+            return entry.dtype
+        return self.to if self.layout.casts(name, entry.shape, self.param_shapes) else entry.dtype
+
+
+def full_target(catalog: Catalog, *, dtype: torch.dtype | None = None, only: str | None = None,
+                layout: Layout | None = None) -> Target:
     """Every selected tensor stored whole, in one box, in the file of rank 0."""
-    tensors, objects = select(catalog, only)
+    layout = layout or detect_layout(catalog)
+    tensors, objects = select(catalog, only, layout)
+    casting = Casting(catalog, dtype, layout)
     out = {}
     for name in tensors:
         t = catalog.tensors[name]
-        out[name] = TargetTensor(name, t.shape, cast_dtype(t.dtype, dtype), [full_box(t.shape)], [0])
+        out[name] = TargetTensor(name, t.shape, casting.dtype(name, t), [full_box(t.shape)], [0])
     return Target(
         tensors=out,
-        objects={n: catalog.objects[n] for n in objects},
+        objects=pick_objects(catalog.objects, objects),
         paths={n: p for n, p in catalog.paths.items() if n in out or n in objects},
         attrs=dict(catalog.attrs),
+        notices=list(catalog.notices),
     )
 
 
+def model_section(catalog: Catalog, layout: Layout) -> Catalog:
+    """The model's own state dict out of a training checkpoint: every parameter under its FQN
+    (``model.`` or whatever section prefix the tool used dropped), nothing else; for ``--only
+    model`` into a file that ``model.load_state_dict`` should take as it is."""
+    names = {n: p for n in (*catalog.tensors, *catalog.objects) if (p := layout.place(n)).role == PARAM and p.fqn}
+    if not names:
+        raise UsageError(f"--only model: {catalog.path} holds no model tensors (layout {layout.name})")
+    heads = {catalog.nested_path(n)[0] for n, p in names.items() if p.prefix}
+
+    def path(name: str) -> NestedPath:
+        nested = catalog.nested_path(name)
+        if names[name].prefix and len(nested) > 1 and nested[0] in heads:
+            return nested[1:]
+        return (names[name].fqn,) if names[name].prefix else nested
+
+    tensors = {p.fqn: catalog.tensors[n].renamed(p.fqn) for n, p in names.items() if n in catalog.tensors}
+    objects = ObjectTable({p.fqn: object_loader(catalog.objects, n) for n, p in names.items() if n in catalog.objects})
+    paths = {p.fqn: path(n) for n, p in names.items() if n in catalog.paths}
+    containers = {k[1:]: v for k, v in (catalog.attrs.get(CONTAINERS_ATTR) or {}).items() if k[:1] and k[0] in heads}
+    attrs = {**catalog.attrs, CONTAINERS_ATTR: containers} if heads else dict(catalog.attrs)
+    attrs.pop("layout", None)  # the section is the whole checkpoint now
+    return replace(catalog, tensors=tensors, objects=objects, paths=paths, attrs=attrs)
+
+
 def sources_for(entry: TensorEntry, box: Box) -> list[Source]:
-    """The stored chunks of ``entry`` that overlap ``box``, with the overlapping part."""
+    """The stored chunks of ``entry`` that overlap ``box``, with the overlapping part. A tensor
+    saved by many ranks is searched in its columns (one array operation, not a loop over
+    every chunk for every piece of the output)."""
+    if isinstance(entry, IndexedTensorEntry) and entry.chunk_count > 16:
+        offsets, sizes = entry.columns
+        lo = np.maximum(offsets, np.asarray(box.offsets, dtype=np.int64))
+        hi = np.minimum(offsets + sizes, np.asarray(box.ends, dtype=np.int64))
+        hits = np.flatnonzero((hi > lo).all(axis=1)) if box.ndim else np.arange(len(offsets))
+        chunks = entry.chunks
+        return [Source(chunks[i], Box(tuple(lo[i].tolist()), tuple((hi[i] - lo[i]).tolist()))) for i in hits.tolist()]
     out = []
     for chunk in entry.chunks:
         part = chunk.box.intersect(box)

@@ -56,7 +56,7 @@ def carry_hf_configs(catalog: Catalog) -> None:
 
 def training_config(catalog: Catalog) -> dict[str, Any] | None:
     """The project's ``ModelConfig`` as the training loop saved it (``train.model_config.*``)."""
-    out = {n.removeprefix(TRAIN_CONFIG_PREFIX): v for n, v in catalog.objects.items() if n.startswith(TRAIN_CONFIG_PREFIX)}
+    out = {n.removeprefix(TRAIN_CONFIG_PREFIX): catalog.objects[n] for n in catalog.objects if n.startswith(TRAIN_CONFIG_PREFIX)}
     return out or None
 
 

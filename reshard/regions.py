@@ -19,7 +19,7 @@ import torch
 from reshard.boxes import Box, contiguous_range, full_box
 from reshard.errors import CorruptCheckpointError
 
-__all__ = ["StoredRegion", "read_exact", "c_strides"]
+__all__ = ["StoredRegion", "read_exact", "c_strides", "as_region"]
 
 
 def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -117,3 +117,12 @@ class StoredRegion:
     def read_all(self) -> torch.Tensor:
         return self.read(full_box(self.shape))
 
+
+
+def as_region(data: object) -> StoredRegion | None:
+    """The ``StoredRegion`` behind a chunk's data, when its bytes lie as they are in one file
+    (a lazily located DCP record says so once located: ``region()``), else None."""
+    if isinstance(data, StoredRegion):
+        return data
+    region = getattr(data, "region", None)
+    return region() if callable(region) else None

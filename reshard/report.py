@@ -1,17 +1,22 @@
-"""What ``reshard inspect`` prints: a readable table, or the JSON of the contract."""
+"""What ``reshard inspect`` prints: a readable table, or the JSON of the contract (schema 1,
+docs/cli.md). Tensors are listed by name, whatever order the files keep them in."""
 
 from __future__ import annotations
+
+import re
 
 from typing import Any
 
 from reshard.catalog import Catalog
+from reshard.conventions import detect_layout
 from reshard.dtypes import dtype_name
 from reshard.sizes import format_size
 
-__all__ = ["catalog_json", "catalog_table"]
+__all__ = ["catalog_json", "catalog_table", "catalog_repr", "dry_run_table", "format_name", "summary_line"]
 
 
 def _jsonable(value: Any) -> Any:
+    """Values as JSON has them; anything else (numpy, custom objects) as its repr."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, (list, tuple)):
@@ -21,38 +26,153 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def _layout(catalog: Catalog) -> dict[str, Any]:
+    found = detect_layout(catalog)
+    return {"name": found.name, "writer": found.convention.writer, "param_groups": found.groups
+            if found.convention.optimizer is not None else None}
+
+
+_SHOWN = 160
+
+
+def format_name(catalog: Catalog) -> str:
+    """``hf`` for an HF model folder (safetensors or .bin weights beside a config.json)."""
+    return "hf" if catalog.attrs.get("hf_config") is not None and catalog.format in ("safetensors", "hf-bin") \
+        else catalog.format
+
+
+def source_mesh(catalog: Catalog) -> dict[str, Any] | None:
+    """The mesh the checkpoint was saved on, one shape whatever the reader recorded."""
+    mesh = catalog.attrs.get("source_mesh")
+    if mesh is None:
+        return None
+    if isinstance(mesh, dict):
+        return {"shape": list(mesh.get("shape", [])), "names": list(mesh["names"]) if mesh.get("names") else None}
+    names = catalog.attrs.get("source_mesh_dim_names")
+    return {"shape": list(mesh), "names": list(names) if names else None}
+
+
+def _one_line(value: Any) -> str:
+    """``repr(value)`` on one line (numpy and torch break long reprs over several)."""
+    return re.sub(r"\s*\n\s*", " ", repr(value))
+
+
+def _short(value: Any) -> str:
+    text = _one_line(value)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 1] + "…"
+
+
+def _quantized(catalog: Catalog) -> tuple[dict[str, str], dict[str, str]]:
+    """(weight name -> its scheme, scale name -> the weight it scales) of a quantized release."""
+    from reshard.quant import find_quantized
+
+    schemes = find_quantized(catalog)
+    return {n: s.label for n, s in schemes.items()}, {s.scale: s.weight for s in schemes.values()}
+
+
 def catalog_json(catalog: Catalog) -> dict[str, Any]:
+    attrs: dict[str, Any] = {}
+    schemes, scales = _quantized(catalog)
+    if "source_world_size" in catalog.attrs:
+        attrs["source_world_size"] = catalog.attrs["source_world_size"]
+    if (mesh := source_mesh(catalog)) is not None:
+        attrs["source_mesh"] = mesh
+    if "source_placements" in catalog.attrs:
+        attrs["source_placements"] = _jsonable(catalog.attrs["source_placements"])
     return {
-        "format": catalog.format,
+        "format": format_name(catalog),
         "path": str(catalog.path),
+        "layout": _layout(catalog),
         "tensors": [
             {
                 "name": t.name,
                 "shape": list(t.shape),
                 "dtype": dtype_name(t.dtype),
                 "bytes": t.nbytes,
-                "chunks": [{"offsets": list(c.box.offsets), "sizes": list(c.box.sizes)} for c in t.chunks],
+                "chunks": _chunk_boxes(t),
+                **({"quantized": schemes[t.name]} if t.name in schemes else {}),
+                **({"scale_of": scales[t.name]} if t.name in scales else {}),
             }
-            for t in catalog.tensors.values()
+            for t in sorted(catalog.tensors.values(), key=lambda t: t.name)
         ],
         "objects": [{"name": n, "type": type(v).__name__, "value": _jsonable(v)} for n, v in catalog.objects.items()],
         "total_bytes": catalog.total_bytes,
-        "attrs": {k: _jsonable(v) for k, v in catalog.attrs.items() if k.startswith("source_")},
+        "notices": list(catalog.notices),
+        "attrs": attrs,
     }
 
 
+def _chunk_boxes(t: Any) -> list[dict[str, list[int]]]:
+    offsets, sizes = t.columns
+    return [{"offsets": o, "sizes": z} for o, z in zip(offsets.tolist(), sizes.tolist())]
+
+
 def catalog_table(catalog: Catalog) -> str:
-    rows = [(t.name, dtype_name(t.dtype), "x".join(map(str, t.shape)) or "scalar", format_size(t.nbytes), str(len(t.chunks)))
-            for t in catalog.tensors.values()]
-    head = ("name", "dtype", "shape", "bytes", "chunks")
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(5)]
-    fmt = "  ".join(f"{{:<{w}}}" if i < 3 else f"{{:>{w}}}" for i, w in enumerate(widths))
-    lines = [f"{catalog.path}: {catalog.format}, {len(catalog.tensors)} tensors, {format_size(catalog.total_bytes)}"]
-    for key in ("source_world_size", "source_mesh"):
-        if key in catalog.attrs:
-            lines.append(f"{key.removeprefix('source_').replace('_', ' ')}: {catalog.attrs[key]}")
-    lines += ["", fmt.format(*head)] + [fmt.format(*r) for r in rows]
+    schemes, scales = _quantized(catalog)
+
+    def quant(name: str) -> str:
+        return schemes.get(name) or (f"scale of {scales[name]}" if name in scales else "")
+
+    rows = [(t.name, dtype_name(t.dtype), "x".join(map(str, t.shape)) or "scalar", format_size(t.nbytes),
+             str(t.chunk_count), quant(t.name)) for t in sorted(catalog.tensors.values(), key=lambda t: t.name)]
+    head = ("name", "dtype", "shape", "bytes", "chunks", "quantized" if schemes else "")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(6)]
+    fmt = "  ".join(f"{{:<{w}}}" if i in (0, 1, 2, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = [summary_line(catalog)]
+    layout = _layout(catalog)
+    lines.append(f"layout: {layout['name']} ({layout['writer']})")
+    if "source_world_size" in catalog.attrs:
+        lines.append(f"world size: {catalog.attrs['source_world_size']}")
+    if (mesh := source_mesh(catalog)) is not None:
+        lines.append("mesh: " + (", ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"])) if mesh["names"]
+                                 else "x".join(map(str, mesh["shape"]))))
+    lines += ["", fmt.format(*head).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
     if catalog.objects:
         lines += ["", f"objects ({len(catalog.objects)}):"]
-        lines += [f"  {n} = {v!r}"[:160] for n, v in catalog.objects.items()]
+        lines += [_short_line(n, v) for n, v in catalog.objects.items()]
+    lines += [f"notice: {n}" for n in catalog.notices]
+    return "\n".join(lines)
+
+
+def _short_line(name: str, value: Any) -> str:
+    line = f"  {name} = {_one_line(value)}"
+    return line if len(line) <= _SHOWN else line[: _SHOWN - 1] + "…"
+
+
+def summary_line(catalog: Catalog) -> str:
+    return f"{catalog.path}: {format_name(catalog)}, {len(catalog.tensors)} tensors, {format_size(catalog.total_bytes)}"
+
+
+def catalog_repr(catalog: Catalog, html: bool = False) -> str:
+    """One screen: the summary, the layout, the largest tensors, how many objects."""
+    biggest = sorted(catalog.tensors.values(), key=lambda t: -t.nbytes)[:8]
+    rows = [(t.name, dtype_name(t.dtype), "x".join(map(str, t.shape)) or "scalar", format_size(t.nbytes)) for t in biggest]
+    more = len(catalog.tensors) - len(rows)
+    head = f"{summary_line(catalog)}; layout {detect_layout(catalog).name}; {len(catalog.objects)} objects"
+    if html:
+        import html as h
+
+        cells = "".join(f"<tr><td><code>{h.escape(n)}</code></td><td>{d}</td><td>{s}</td><td>{b}</td></tr>"
+                        for n, d, s, b in rows)
+        tail = f"<p>... and {more} more tensors (<code>catalog.table()</code> lists all)</p>" if more > 0 else ""
+        return (f"<p><b>reshard Catalog</b>: {h.escape(head)}</p><table><tr><th>largest tensors</th><th>dtype</th>"
+                f"<th>shape</th><th>bytes</th></tr>{cells}</table>{tail}")
+    lines = [f"<Catalog {head}>"] + [f"  {n}  {d}  {s}  {b}" for n, d, s, b in rows]
+    if more > 0:
+        lines.append(f"  ... and {more} more tensors (catalog.table() lists all)")
+    return "\n".join(lines)
+
+
+def dry_run_table(result: Any) -> str:
+    """``convert --dry-run``: what would be written, file by file, and per target rank."""
+    from reshard.mesh_report import mesh_table
+
+    files = result.files
+    lines = [f"dry run: {result.dst} ({result.format}) would hold {result.tensors} tensors, "
+             f"{format_size(result.bytes)} of tensor data in {len(files)} data files:"]
+    lines += [f"  {path}  {format_size(size)}" for path, size in files[:10]]
+    if len(files) > 10:
+        lines.append(f"  ... and {len(files) - 10} more")
+    if result.ranks is not None:
+        lines += ["", mesh_table(result.ranks)]
     return "\n".join(lines)

@@ -23,7 +23,6 @@ Lifecycle (every rank calls the same function, in the same order):
 from __future__ import annotations
 
 import os
-import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,20 +31,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from reshard import errors
 from reshard.catalog import Catalog
 from reshard.errors import ReshardError, UsageError
-from reshard.runtime_plan import LoadPlan, StateDictMismatchError, make_load_plan
+from reshard.runtime_plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
 from reshard.runtime_targets import Slot, make_slots, storage_aliases
 from reshard.runtime_transfer import read_local, receive_boxes, send_boxes
+from reshard.progress import Progress
 from reshard.sizes import parse_size
 
 __all__ = ["load_model", "load_state_dict", "LoadResult", "StateDictMismatchError", "MODES"]
 
 MODES = ("auto", "rank0", "parallel")
-_PARAM_GROUPS = "optim.param_groups."
 
 
 @dataclass
@@ -121,10 +119,15 @@ def _raise_shared(err: tuple[str, str]) -> None:
 # ------------------------------------------------------------------------------ the plan
 
 
-def _read_catalog(source: Path, keymap: Any) -> Catalog:
+def _read_catalog(source: Path, keymap: Any, layout: str | None) -> Catalog:
     from reshard.formats.registry import detect_format
 
     catalog = detect_format(source).read(source)
+    if layout is not None:
+        from reshard.conventions import detect_layout
+
+        detect_layout(catalog, layout)  # an unknown name is a usage error
+        catalog.attrs["layout"] = layout
     if keymap is not None:
         from reshard.keymap import load_keymap
 
@@ -149,9 +152,7 @@ class _Load:
         else:
             total = sum(self.slots[i.target].meta.box.numel * i.dtype.itemsize
                         for i in self.plan.items if i.target in self.slots)
-        bar = tqdm(total=total, unit="B", unit_scale=True,
-                   unit_divisor=1024, desc=f"loading {self.source.name}", file=sys.stderr,
-                   disable=not (progress and rank == 0 and sys.stderr.isatty()))
+        bar = Progress(total, f"loading {self.source.name}", enabled=progress and rank == 0)
         try:
             if self.mode != "rank0":
                 return read_local(self.plan, self.catalog.tensors, self.slots, bar)
@@ -163,7 +164,7 @@ class _Load:
 
 
 def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str, keymap: Any, strict: bool,
-             max_memory: str | int) -> _Load:
+             max_memory: str | int, layout: str | None = None) -> _Load:
     source = Path(source)
     slab_bytes = max(1, parse_size(max_memory) // 4)  # two send buffers plus the reads behind one
     slots = make_slots(state_dict)
@@ -171,7 +172,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     mode = _choose_mode(mode, source, world)
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
     if mode == "local":
-        catalog = _read_catalog(source, keymap)
+        catalog = _read_catalog(source, keymap, layout)
         plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes)
         return _Load(source, mode, plan, slots, catalog)
     _comm_device()
@@ -185,7 +186,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     catalog, outcome, failure = None, None, None
     if rank == 0 or mode == "parallel":
         try:
-            catalog = _read_catalog(source, keymap)
+            catalog = _read_catalog(source, keymap, layout)
             metas = [g[0] for g in gathered]
             aliases = [a for g in gathered for a in g[1]]
             outcome = make_load_plan(catalog, metas, aliases, strict=strict, slab_bytes=slab_bytes)
@@ -226,13 +227,16 @@ def load_state_dict(
     max_memory: str | int = "1GiB",
     *,
     progress: bool = True,
+    layout: str | None = None,
 ) -> LoadResult:
     """Fill the tensors of ``state_dict`` (DTensors or plain, nested like DCP state dicts) in
     place from checkpoint ``source``, in any format reshard reads.
 
     Call it on every rank of an initialized process group, or in a single process without
-    one. Names match exactly, then under the checkpoint's ``model.`` / ``optim.`` sections;
-    ``keymap`` (a preset name, a JSON path or a dict) renames the checkpoint's names first.
+    one. Names match exactly, then as the parameter (or its optimizer state) of the same FQN
+    under the checkpoint's layout, whichever tool wrote it (``reshard.conventions``; ``layout``
+    names one when detection is wrong); ``keymap`` (a preset name, a JSON path or a dict)
+    renames the checkpoint's names first.
     Values are cast to each tensor's dtype and device as they arrive. Non-tensor values are
     left alone; the checkpoint's objects come back in ``LoadResult.objects``.
 
@@ -240,26 +244,36 @@ def load_state_dict(
     >>> reshard.load_state_dict(msd, "ckpt/", mode="rank0", max_memory="2GiB")
     """
     started = time.perf_counter()
-    load = _prepare(state_dict, source, mode, keymap, strict, max_memory)
+    load = _prepare(state_dict, source, mode, keymap, strict, max_memory, layout)
     return _result(load, load.execute(progress), started)
 
 
-def _param_groups(objects: Mapping[str, Any], live: list[dict[str, Any]], strict: bool, source: Path) -> dict[int, dict]:
-    """The checkpoint's hyper-parameters per live param group (matched by position)."""
-    saved: dict[int, dict[str, Any]] = {}
-    for name, value in objects.items():
-        if name.startswith(_PARAM_GROUPS):
-            index, _, key = name[len(_PARAM_GROUPS):].partition(".")
-            if index.isdigit() and key and key != "params":
-                saved.setdefault(int(index), {})[key] = value
-    if saved and len(saved) != len(live):
-        if strict:
-            raise StateDictMismatchError(
-                f"{source}: the checkpoint has {len(saved)} optimizer param groups, the optimizer {len(live)}. "
-                "Nothing was loaded. Build the optimizer with the same groups, or pass strict=False to keep "
-                "the optimizer's own hyper-parameters")
+def _param_groups(saved: Mapping[int | str, dict[str, Any]], live: list[dict[str, Any]], strict: bool,
+                  source: Path) -> dict[int, dict]:
+    """The checkpoint's hyper-parameters per live param group. Saved by group index (torch's
+    ``state_dict``), they match by position; saved per parameter (torch's flattened optimizer
+    state dict, as torchtitan saves it), a live group takes those of its parameters."""
+    if not saved:
         return {}
-    return saved
+    if all(isinstance(k, int) for k in saved):
+        if len(saved) != len(live):
+            if strict:
+                raise StateDictMismatchError(
+                    f"{source}: the checkpoint has {len(saved)} optimizer param groups, the optimizer {len(live)}. "
+                    "Nothing was loaded. Build the optimizer with the same groups, or pass strict=False to keep "
+                    "the optimizer's own hyper-parameters")
+            return {}
+        return {i: dict(saved[i]) for i in range(len(live)) if i in saved}
+    out: dict[int, dict] = {}
+    for i, group in enumerate(live):
+        found = [saved[f] for f in group.get("params", []) if isinstance(f, str) and f in saved]
+        if found:
+            out[i] = dict(found[0])
+        elif strict and group.get("params"):
+            raise StateDictMismatchError(
+                f"{source}: no saved hyper-parameters for the optimizer's param group {i} (its first parameter is "
+                f"{group['params'][0]!r}). Nothing was loaded; pass strict=False to keep the optimizer's own")
+    return out
 
 
 def load_model(
@@ -272,10 +286,14 @@ def load_model(
     max_memory: str | int = "1GiB",
     *,
     progress: bool = True,
+    layout: str | None = None,
 ) -> LoadResult:
     """Load ``source`` into a plain, DDP or FSDP2 (``fully_shard``, 1-D or 2-D mesh) ``model``,
     and into ``optimizer`` when given: AdamW's exp_avg, exp_avg_sq and step resharded with
-    their parameter, param-group hyper-parameters (lr, betas...) from the checkpoint.
+    their parameter, param-group hyper-parameters (lr, betas...) from the checkpoint. Any
+    layout the common tools write is understood (``reshard.conventions``): ours and torch's
+    ``{"model", "optim"}``, torchtitan's ``optimizer.state.<fqn>.<key>`` with per-parameter
+    ``param_groups`` (model under ``model.`` or at the top level), plain model state dicts.
 
     An empty optimizer gets its state created first (torch's ``get_state_dict`` does this
     with a zero-gradient step at lr 0), so a fresh run can resume. Modes: ``rank0`` streams
@@ -299,9 +317,9 @@ def load_model(
         targets: dict[str, Any] = dict(msd)
     else:
         msd, osd = get_state_dict(model, optimizer)
-        targets = {**msd, "optim": {"state": osd["state"]}}
-    load = _prepare(targets, source, mode, keymap, strict, max_memory)
-    groups = _param_groups(load.plan.objects, osd["param_groups"], strict, load.source) if osd else {}
+        targets = {**msd, LIVE_STATE.split(".")[0]: {"state": osd["state"]}}
+    load = _prepare(targets, source, mode, keymap, strict, max_memory, layout)
+    groups = _param_groups(load.plan.groups, osd["param_groups"], strict, load.source) if osd else {}
     nbytes = load.execute(progress)
     # The filled tensors are the model's and optimizer's own memory; these calls are what makes
     # that true for wrappers that hand out copies, and what torch expects to be called.

@@ -1,7 +1,8 @@
 """What a distributed load will move, decided before any live tensor is touched.
 
 ``make_load_plan`` matches the caller's names to the checkpoint's (exact name first, then the
-checkpoint's ``model`` / ``optim`` sections), refuses a mismatch with one error that names the
+parameter or optimizer state of the same FQN under the checkpoint's layout, whichever tool
+wrote it: ``reshard.conventions``), refuses a mismatch with one error that names the
 missing and unexpected tensors, and records for every tensor which distinct boxes the ranks
 hold and which ranks hold each one. The plan is plain data with no file handles: rank 0
 builds it and broadcasts it, and every rank then executes its part of the same value.
@@ -17,15 +18,18 @@ import torch
 
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog
+from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
 from reshard.errors import CorruptCheckpointError, UsageError
 from reshard.plan import sources_for
 from reshard.runtime_targets import SlotMeta
 
-__all__ = ["StateDictMismatchError", "TransferItem", "LoadPlan", "make_load_plan", "SECTIONS"]
+__all__ = ["StateDictMismatchError", "TransferItem", "LoadPlan", "make_load_plan", "SECTIONS", "LIVE_STATE"]
 
 # Top-level sections of a get_state_dict-style checkpoint ({"model": ..., "optim": ...}) that a
 # name may sit under when the caller's state dict is the section itself.
 SECTIONS = ("model", "optim")
+# How load_model names the live optimizer state it asks for: optim.state.<fqn>.<key>.
+LIVE_STATE = "optim.state."
 _SHOWN = 5
 
 
@@ -56,6 +60,9 @@ class LoadPlan:
     missing: list[str] = field(default_factory=list)  # caller's names with nothing in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # checkpoint names nothing was loaded into
     objects: dict[str, Any] = field(default_factory=dict)  # the checkpoint's non-tensor objects
+    # Optimizer hyper-parameters (lr, betas...) by param-group index (int) or by FQN (str), as
+    # the checkpoint keys them; ``params`` lists left out.
+    groups: dict[int | str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -67,19 +74,48 @@ class LoadPlan:
         return [i.target for i in self.items]
 
 
-def _section(catalog: Catalog, name: str) -> str | None:
+def _section(catalog: Catalog, layout: Layout, name: str) -> tuple[str, str | None]:
+    """The part of the checkpoint a name belongs to: its role, and for other state the first
+    step of its nested path (so loading ``extra.scale`` expects the rest of ``extra``)."""
+    role = layout.role(name)
+    if role in (PARAM, OPTIM_STATE):
+        return role, None
     path = catalog.nested_path(name)
-    if len(path) > 1:
-        return str(path[0])
-    head, dot, _ = name.partition(".")
-    return head if dot and head in SECTIONS else None
+    return role, str(path[0]) if len(path) > 1 else name.partition(".")[0]
 
 
-def _resolve(name: str, catalog: Catalog) -> str | None:
-    for candidate in (name, *(f"{s}.{name}" for s in SECTIONS)):
-        if candidate in catalog.tensors:
-            return candidate
-    return None
+class _Names:
+    """The checkpoint's tensors by what they are, so a live name finds its stored one whatever
+    the tool that wrote the checkpoint called it (``reshard.conventions``)."""
+
+    def __init__(self, catalog: Catalog, layout: Layout) -> None:
+        self.catalog = catalog
+        self.params: dict[str, str] = {}
+        self.state: dict[tuple[str, str], str] = {}
+        for name in catalog.tensors:
+            p = layout.place(name)
+            if p.role == PARAM and p.fqn is not None:
+                self.params.setdefault(p.fqn, name)
+            elif p.role == OPTIM_STATE and p.fqn is not None and p.key is not None:
+                self.state.setdefault((p.fqn, p.key), name)
+
+    def resolve(self, name: str) -> str | None:
+        """A live name (a model FQN, or ``optim.state.<fqn>.<key>`` as ``load_model`` names
+        optimizer state) to the checkpoint's name for the same thing."""
+        if name in self.catalog.tensors:
+            return name
+        if name.startswith(LIVE_STATE):
+            fqn, _, key = name[len(LIVE_STATE):].rpartition(".")
+            if (fqn, key) in self.state:
+                return self.state[(fqn, key)]
+        if name in self.params:
+            return self.params[name]
+        if name.startswith("model.") and name[len("model."):] in self.params:  # nested {"model": ...} vs a model file
+            return self.params[name[len("model."):]]
+        for s in SECTIONS:  # a caller's state dict nested like ours, against a flat checkpoint
+            if f"{s}.{name}" in self.catalog.tensors:
+                return f"{s}.{name}"
+        return None
 
 
 def _listing(names: Sequence[str]) -> str:
@@ -132,6 +168,16 @@ def _boxes(name: str, metas: Sequence[Mapping[str, SlotMeta]]) -> tuple[tuple[tu
     return boxes, broadcast
 
 
+def group_values(catalog: Catalog, layout: Layout) -> dict[int | str, dict[str, Any]]:
+    """The checkpoint's param-group hyper-parameters, by group index or by parameter FQN."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for name, value in catalog.objects.items():
+        p = layout.place(name)
+        if p.role == OPTIM_GROUP and p.key and p.key != "params":
+            out.setdefault(p.group if p.group is not None else p.fqn, {})[p.key] = value
+    return out
+
+
 def make_load_plan(
     catalog: Catalog,
     metas: Sequence[Mapping[str, SlotMeta]],
@@ -139,6 +185,7 @@ def make_load_plan(
     *,
     strict: bool = True,
     slab_bytes: int,
+    layout: Layout | None = None,
 ) -> LoadPlan:
     """The plan that fills ``metas`` (one mapping per rank: name -> its part) from ``catalog``.
 
@@ -146,13 +193,16 @@ def make_load_plan(
     always for shape mismatches, before anything is read or written.
     """
     source = str(catalog.path)
+    layout = layout or detect_layout(catalog)
     names = _union_names(metas)
     groups = _alias_of(names, aliases)
-    resolved = {n: c for n in names if (c := _resolve(n, catalog)) is not None}
+    lookup = _Names(catalog, layout)
+    resolved = {n: c for n in names if (c := lookup.resolve(n)) is not None}
     missing = [n for n in names if not any(a in resolved for a in groups[n])]
     consumed = set(resolved.values())
-    sections = {_section(catalog, c) for c in consumed}
-    unexpected = [c for c in catalog.tensors if c not in consumed and (not consumed or _section(catalog, c) in sections)]
+    sections = {_section(catalog, layout, c) for c in consumed}
+    unexpected = [c for c in catalog.tensors
+                  if c not in consumed and (not consumed or _section(catalog, layout, c) in sections)]
     wrong = [f"{n!r} is {list(catalog.tensors[c].shape)} in the checkpoint ({c!r}) but {list(names[n].shape)} here"
              for n, c in resolved.items() if catalog.tensors[c].shape != names[n].shape]
     if wrong:
@@ -176,4 +226,4 @@ def make_load_plan(
                 raise CorruptCheckpointError(f"{source}: {entry.name!r} stores only {covered} of the {box.numel} "
                                              f"elements of box {box}; the checkpoint is incomplete")
         items.append(TransferItem(target, entry.name, entry.shape, entry.dtype, boxes, broadcast))
-    return LoadPlan(items, slab_bytes, missing, unexpected, dict(catalog.objects))
+    return LoadPlan(items, slab_bytes, missing, unexpected, dict(catalog.objects), group_values(catalog, layout))

@@ -20,39 +20,25 @@ send buffers are pinned host memory copied to the GPU as they go out.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from reshard.boxes import Box, c_order_slabs
 from reshard.catalog import TensorEntry
 from reshard.plan import sources_for
-from reshard.regions import StoredRegion
+from reshard.fd_pool import FdPool
+from reshard.progress import Progress
+from reshard.regions import as_region
 from reshard.runtime_plan import LoadPlan
 from reshard.runtime_targets import Slot
 
 __all__ = ["OpenFiles", "read_box", "read_local", "send_boxes", "receive_boxes"]
 
 
-class OpenFiles:
-    """One read-only descriptor per source file, for the duration of a load."""
-
-    def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
-
-    def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+class OpenFiles(FdPool):
+    """Read-only descriptors of the source files, for the duration of a load."""
 
 
 def read_box(out: torch.Tensor, box: Box, entry: TensorEntry, files: OpenFiles) -> None:
@@ -61,12 +47,17 @@ def read_box(out: torch.Tensor, box: Box, entry: TensorEntry, files: OpenFiles) 
     for src in sources_for(entry, box):
         local = src.box.shifted(src.chunk.box.offsets)
         data = src.chunk.data
-        part = data.read_from(files.fd(data.path), local) if isinstance(data, StoredRegion) else data.read(local)
+        region = as_region(data)
+        if region is not None:
+            with files.use(region.path) as fd:
+                part = region.read_from(fd, local)
+        else:
+            part = data.read(local)
         out[src.box.shifted(box.offsets).as_slices()] = part
 
 
 def read_local(plan: LoadPlan, catalog_tensors: Mapping[str, TensorEntry], slots: Mapping[str, Slot],
-               progress: tqdm) -> int:
+               progress: Progress) -> int:
     """Read this rank's own boxes straight into its tensors; returns the bytes read."""
     files, done = OpenFiles(), 0
     try:
@@ -117,7 +108,7 @@ class _SendBuffer:
 
 
 def send_boxes(plan: LoadPlan, catalog_tensors: Mapping[str, TensorEntry], slots: Mapping[str, Slot],
-               device: torch.device, progress: tqdm) -> int:
+               device: torch.device, progress: Progress) -> int:
     """Rank 0: read every distinct box once and send each slab to the ranks holding it."""
     ring = [_SendBuffer(plan.slab_bytes, device) for _ in range(2)]
     files, turn, done = OpenFiles(), 0, 0

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
-from reshard.errors import OutputExistsError, UsageError
+from reshard.errors import OutputExistsError, ReshardError, UsageError
 from reshard.manifest import FileDigest, write_manifest
 
 __all__ = ["StagedOutput"]
@@ -84,7 +84,12 @@ class StagedOutput:
             raise UsageError(f"{self.dst}: parent folder {parent} does not exist")
         if (self.dst.exists() or self.dst.is_symlink()) and not self.overwrite:
             raise OutputExistsError(f"{self.dst} already exists; pass --overwrite to replace it")
-        self._take_lock()
+        try:
+            self._take_lock()
+        except ReshardError:
+            raise
+        except OSError as e:  # the folder cannot take files (read-only, /proc...): say so of DST, not our lock
+            raise OSError(e.errno, f"cannot write here ({e.strerror})", str(self.dst)) from None
         try:
             self._sweep_stale()
             # Again under the lock: another conversion may have committed since the check above.

@@ -1,13 +1,16 @@
 """``reshard.verify``: compare two checkpoints in any formats, tensor by tensor, in slabs.
 
-Exact by default: same names, dtypes, shapes and bits (NaNs compare by their bits, so a
-conversion that keeps them is "equal"). With ``atol``/``rtol`` values are compared in float64
-and dtypes may differ, for checking a ``--dtype`` cast. Memory stays within ``max_memory``
-whatever the tensor sizes.
+"Equal" is the promise a conversion keeps, so it must never be said of different data: exact
+by default (names, nesting, container types, dtypes, shapes, every bit; objects by type and
+value, floats by their bits). A tolerance (``atol``/``rtol``, for checking a ``--dtype``
+cast) loosens floating and complex values only; integers, bools and objects stay exact.
+Every difference says what differs and, for values, how many elements and by how much.
+Memory stays within ``max_memory`` whatever the tensor sizes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,22 +22,33 @@ from reshard.boxes import c_order_slabs, full_box
 from reshard.catalog import Catalog, TensorEntry
 from reshard.dtypes import dtype_name
 from reshard.engine import assemble
-from reshard.formats.registry import detect_format
+from reshard.errors import UsageError
 from reshard.plan import sources_for
+from reshard.progress import Progress
+from reshard.provenance import carry_hf_configs, hf_configs
 from reshard.sizes import parse_size
+from reshard.sources import read_catalog
+from reshard.structure import CONTAINERS_ATTR, container_steps, describe_steps
+from reshard.values import difference
 
 __all__ = ["verify", "verify_manifest", "VerifyResult", "Difference"]
 
 
 @dataclass(frozen=True)
 class Difference:
+    """One way the two sides differ. ``kind`` is one of ``only_in_a``, ``only_in_b``,
+    ``structure`` (nesting or container type), ``dtype``, ``shape``, ``values``, ``object``;
+    for ``verify --quick``: ``size``, ``checksum``, ``missing``."""
+
     name: str
-    kind: str  # "only in A", "only in B", "dtype", "shape", "values", "object"; quick: "size", "checksum", "missing", "extra"
+    kind: str
     detail: str
 
 
 @dataclass
 class VerifyResult:
+    """What ``reshard.verify`` found: ``equal`` is True when no difference was found."""
+
     a: Path
     b: Path
     compared: int = 0
@@ -56,30 +70,115 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _compare(a: TensorEntry, b: TensorEntry, atol: float | None, rtol: float | None, budget: int) -> str | None:
-    exact = atol is None and rtol is None
-    item = max(a.dtype.itemsize, b.dtype.itemsize) if exact else 8
-    worst = 0.0
-    mismatched = 0
-    for slab in c_order_slabs(full_box(a.shape), item, max(item, budget // 6)):
+def _kind(dtype: torch.dtype) -> str:
+    """How a dtype compares under a tolerance: floats and complex by value, the rest exactly."""
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point and dtype.itemsize >= 1 and "float4" not in str(dtype):
+        return "float"
+    return "exact"
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """Values in a type that holds every value of the stored one exactly (complex as
+    (real, imag) pairs along a last dim)."""
+    if t.dtype.is_complex:
+        return torch.view_as_real(t.to(torch.complex128))
+    return t.double()
+
+
+@dataclass
+class _Tally:
+    """Differing elements of one tensor, and how large the differences are."""
+
+    count: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    nonfinite: int = 0
+
+    def add(self, wa: torch.Tensor, wb: torch.Tensor, differ: torch.Tensor) -> None:
+        """``wa``/``wb``: widened values; ``differ``: one flag per element of the tensor."""
+        self.count += int(differ.sum())
+        if wa.dim() > differ.dim():  # complex: the magnitude of the difference per element
+            delta = torch.linalg.vector_norm(wa - wb, dim=-1)
+            ref = torch.linalg.vector_norm(wb, dim=-1)
+        else:
+            delta, ref = (wa - wb).abs(), wb.abs()
+        finite = torch.isfinite(delta) & differ
+        self.nonfinite += int((differ & ~finite).sum())
+        if finite.any():
+            self.max_abs = max(self.max_abs, float(delta[finite].max()))
+            rel = delta[finite & (ref > 0)] / ref[finite & (ref > 0)]
+            if rel.numel():
+                self.max_rel = max(self.max_rel, float(rel.max()))
+
+    def describe(self, total: int, numeric: bool) -> str:
+        text = f"{self.count} of {total} elements differ"
+        if numeric:
+            text += f" (max abs diff {self.max_abs:.6g}, max rel diff {self.max_rel:.6g}"
+            text += f"; {self.nonfinite} differ by NaN or inf)" if self.nonfinite else ")"
+        return text
+
+
+def _compare(a: TensorEntry, b: TensorEntry, atol: float | None, rtol: float | None, budget: int,
+             bar: Progress | None = None) -> str | None:
+    """Exact: every bit, per element (NaNs equal only to the same NaN; -0.0 differs from 0.0).
+    With a tolerance: floating and complex values within ``atol + rtol * |b|`` (NaN equals
+    NaN), complex by real and imaginary part; integers and bools still exactly."""
+    kinds = {_kind(a.dtype), _kind(b.dtype)}
+    tolerant = (atol is not None or rtol is not None) and kinds in ({"float"}, {"complex"})
+    numeric = kinds <= {"float", "complex"} and len(kinds) == 1
+    item = 16 if tolerant or numeric else max(a.dtype.itemsize, b.dtype.itemsize)
+    tally = _Tally()
+    for slab in c_order_slabs(full_box(a.shape), item, max(item, budget // 8)):
         ta = assemble(slab, a.dtype, sources_for(a, slab))
         tb = assemble(slab, b.dtype, sources_for(b, slab))
-        if exact:
-            diff = _bits(ta) != _bits(tb)
-            if diff.any():
-                mismatched += int(diff.reshape(-1, a.dtype.itemsize).any(dim=1).sum())
+        if bar is not None:
+            bar.update(slab.numel * (a.dtype.itemsize + b.dtype.itemsize))
+        if tolerant:
+            wa, wb = _wide(ta), _wide(tb)
+            close = torch.isclose(wa, wb, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True)
+            differ = ~close.all(dim=-1) if a.dtype.is_complex else ~close
         else:
-            da, db = ta.double(), tb.double()
-            close = torch.isclose(da, db, rtol=rtol or 0.0, atol=atol or 0.0, equal_nan=True)
-            if not close.all():
-                mismatched += int((~close).sum())
-            finite = torch.isfinite(da) & torch.isfinite(db)
-            if finite.any():
-                worst = max(worst, float((da - db).abs()[finite].max()))
-    if mismatched:
-        extra = f", max |a-b| {worst:.3g}" if not exact else ""
-        return f"{mismatched} of {full_box(a.shape).numel} elements differ{extra}"
-    return None
+            differ = (_bits(ta) != _bits(tb)).reshape(-1, a.dtype.itemsize).any(dim=1).reshape(slab.sizes)
+            if not differ.any():
+                continue
+            wa, wb = (_wide(ta), _wide(tb)) if numeric else (None, None)
+        if not differ.any():
+            continue
+        if numeric:
+            tally.add(wa, wb, differ)
+        else:
+            tally.count += int(differ.sum())
+    return tally.describe(full_box(a.shape).numel, numeric) if tally.count else None
+
+
+def _structure(catalog: Catalog, name: str) -> tuple[tuple[str, str | int], ...]:
+    """Where ``name`` sits in the nested state dict, each step tagged with the container it
+    steps through (``dict`` / ``list`` / ``tuple``; an int key of a dict stays an int)."""
+    return container_steps(catalog.nested_path(name), catalog.attrs.get(CONTAINERS_ATTR) or {})
+
+
+def _part(catalog: Catalog, only: str) -> Catalog:
+    """One part of a checkpoint for ``verify --only``: the model under its own FQNs (so a
+    training checkpoint compares with its HF export), or the names in a section."""
+    from dataclasses import replace
+
+    from reshard.catalog import pick_objects
+    from reshard.conventions import detect_layout
+    from reshard.plan import model_section, select
+
+    layout = detect_layout(catalog)
+    if only == "model":
+        return model_section(catalog, layout)
+    tensors, objects = select(catalog, only, layout)
+    return replace(catalog, tensors={n: catalog.tensors[n] for n in tensors},
+                   objects=pick_objects(catalog.objects, objects))
+
+
+def _check_tolerance(value: float | None, name: str) -> None:
+    if value is not None and not (value >= 0 and math.isfinite(value)):
+        raise UsageError(f"--{name} {value}: a tolerance must be a finite number >= 0")
 
 
 def verify(
@@ -89,63 +188,91 @@ def verify(
     atol: float | None = None,
     rtol: float | None = None,
     max_memory: str | int = "1GiB",
+    keymap: Any = None,
+    only: str | None = None,
+    progress: bool = False,
 ) -> VerifyResult:
-    """Compare checkpoints ``a`` and ``b``; ``result.equal`` is True when they match."""
-    a, b = Path(a), Path(b)
-    ca: Catalog = detect_format(a).read(a)
-    cb: Catalog = detect_format(b).read(b)
+    """Compare checkpoints ``a`` and ``b``; ``result.equal`` is True when they match.
+
+    Exact by default: the same names, nesting, container types, dtypes, shapes and bits (a
+    NaN equals only a NaN with the same bits; ``-0.0`` differs from ``0.0``), and objects of
+    the same type and value (floats by their bits). ``atol``/``rtol`` compare floating and
+    complex tensors by value (in float64, complex by real and imaginary part, NaN equal to
+    NaN, dtypes may differ, as after a ``--dtype`` cast); integer and bool tensors and all
+    objects are still compared exactly.
+
+    ``keymap`` (a preset such as ``titan-to-hf`` or a JSON map) renames ``a``'s tensors before
+    the comparison, to compare a training checkpoint with its HF export; head counts come from
+    ``a``'s own config, else ``b``'s. ``only`` compares one part of both (``model``: each side's
+    model tensors under their FQNs, whatever the section is called; ``optim``; or a prefix).
+    """
+    _check_tolerance(atol, "atol")
+    _check_tolerance(rtol, "rtol")
+    ca: Catalog = read_catalog(a)
+    cb: Catalog = read_catalog(b)
+    a, b = ca.path, cb.path
+    if keymap is not None:
+        from reshard.keymap import load_keymap
+
+        if hf_configs(ca)[0] is None and hf_configs(cb)[0] is not None:  # the export's config says what model it is
+            ca.attrs["hf_config"] = hf_configs(cb)[0]
+        ca = load_keymap(keymap).apply(ca)
+    for catalog in (ca, cb):  # an HF folder's config travels as objects in every conversion of it
+        carry_hf_configs(catalog)
+    if only is not None:
+        ca, cb = _part(ca, only), _part(cb, only)
     budget = parse_size(max_memory)
     result = VerifyResult(a, b)
-    for name in sorted(set(ca.tensors) - set(cb.tensors)):
-        result.differences.append(Difference(name, "only in A", f"tensor missing from {b}"))
-    for name in sorted(set(cb.tensors) - set(ca.tensors)):
-        result.differences.append(Difference(name, "only in B", f"tensor missing from {a}"))
-    exact = atol is None and rtol is None
-    for name in sorted(set(ca.tensors) & set(cb.tensors)):
-        ta, tb = ca.tensors[name], cb.tensors[name]
-        result.compared += 1
-        if ta.shape != tb.shape:
-            result.differences.append(Difference(name, "shape", f"{list(ta.shape)} vs {list(tb.shape)}"))
-            continue
-        if exact and ta.dtype != tb.dtype:
-            result.differences.append(Difference(name, "dtype", f"{dtype_name(ta.dtype)} vs {dtype_name(tb.dtype)}"))
-            continue
-        problem = _compare(ta, tb, atol, rtol, budget)
-        if problem:
-            result.differences.append(Difference(name, "values", problem))
+    for what, left, right, side in (("tensor", ca.tensors, cb.tensors, "a"), ("object", ca.objects, cb.objects, "a"),
+                                    ("tensor", cb.tensors, ca.tensors, "b"), ("object", cb.objects, ca.objects, "b")):
+        other = b if side == "a" else a
+        for name in sorted(set(left) - set(right)):
+            result.differences.append(Difference(name, f"only_in_{side}", f"{what} missing from {other}"))
+    for name in sorted((set(ca.tensors) & set(cb.tensors)) | (set(ca.objects) & set(cb.objects))):
+        sa, sb = _structure(ca, name), _structure(cb, name)
+        if sa != sb:
+            result.differences.append(Difference(name, "structure", f"nested as {describe_steps(sa)} vs {describe_steps(sb)}"))
+    common = sorted(set(ca.tensors) & set(cb.tensors))
+    total = sum(ca.tensors[n].nbytes + cb.tensors[n].nbytes for n in common)
+    with Progress(total, f"comparing {Path(str(a)).name} with {Path(str(b)).name}", enabled=progress) as bar:
+        for name in common:
+            _compare_tensor(result, name, ca.tensors[name], cb.tensors[name], atol, rtol, budget, bar)
     for name in sorted(set(ca.objects) & set(cb.objects)):
-        if not _same_object(ca.objects[name], cb.objects[name]):
-            result.differences.append(Difference(name, "object", f"{ca.objects[name]!r} vs {cb.objects[name]!r}"))
-    only_objects = set(ca.objects) ^ set(cb.objects)
-    if only_objects:
-        result.notes.append(f"{len(only_objects)} non-tensor objects exist on one side only (not compared): "
-                            + ", ".join(sorted(only_objects)[:5]) + (" ..." if len(only_objects) > 5 else ""))
+        why = difference(ca.objects[name], cb.objects[name])
+        if why:
+            result.differences.append(Difference(name, "object", why))
     return result
+
+
+def _compare_tensor(result: VerifyResult, name: str, ta: TensorEntry, tb: TensorEntry, atol: float | None,
+                    rtol: float | None, budget: int, bar: Progress) -> None:
+    result.compared += 1
+    if ta.shape != tb.shape:
+        result.differences.append(Difference(name, "shape", f"{list(ta.shape)} vs {list(tb.shape)}"))
+        return
+    comparable = (atol is not None or rtol is not None) and _kind(ta.dtype) == _kind(tb.dtype) != "exact"
+    if ta.dtype != tb.dtype and not comparable:
+        result.differences.append(Difference(name, "dtype", f"{dtype_name(ta.dtype)} vs {dtype_name(tb.dtype)}"))
+        return
+    problem = _compare(ta, tb, atol, rtol, budget, bar)
+    if problem:
+        result.differences.append(Difference(name, "values", problem))
 
 
 def verify_manifest(folder: str | os.PathLike) -> VerifyResult:
     """``verify --quick``: check a folder against the manifest reshard wrote into it (sizes and
     SHA-256 of every file), without the source and without parsing any tensor. Each file whose
-    bytes changed, that is missing or that was added is one Difference named by its path;
-    no manifest, or a malformed one, raises a ReshardError."""
+    bytes changed or that is missing is one Difference named by its path; a file added after
+    the conversion (a tokenizer or README copied in) is not a failure of what reshard wrote,
+    and is named in ``notes``. No manifest, or a malformed one, raises a ReshardError."""
     from reshard.manifest import MANIFEST_NAME, check_manifest
 
     folder = Path(folder)
     checked, problems = check_manifest(folder)
     result = VerifyResult(folder, folder / MANIFEST_NAME, compared=checked)
-    result.differences = [Difference(p.relpath, p.kind, p.detail) for p in problems]
+    added = [p.relpath for p in problems if p.kind == "not_in_manifest"]
+    result.differences = [Difference(p.relpath, p.kind, p.detail) for p in problems if p.kind != "not_in_manifest"]
+    if added:
+        result.notes.append(f"{len(added)} file(s) not in manifest (added after the conversion, not checked): "
+                            + ", ".join(added[:5]) + (" ..." if len(added) > 5 else ""))
     return result
-
-
-def _same_object(x: Any, y: Any) -> bool:
-    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-        return isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
-    if type(x) is not type(y):
-        return False
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(_same_object(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return len(x) == len(y) and all(_same_object(p, q) for p, q in zip(x, y))
-    if isinstance(x, float) and x != x and y != y:
-        return True
-    return x == y

@@ -26,7 +26,7 @@ def main() -> None:
     save_fsdp2_dcp(ckpt, world_size=2)
     run("reshard", "inspect", str(ckpt))
     run("reshard", "convert", str(ckpt), str(work / "model.safetensors"), "--only", "model")
-    run("reshard", "convert", str(ckpt), str(work / "full.pt"), "--max-memory", "64KiB")
+    run("reshard", "convert", str(ckpt), str(work / "full.pt"), "--max-memory", "1MiB")
     run("reshard", "verify", str(ckpt), str(work / "full.pt"))
     run("reshard", "inspect", str(ckpt), "--to-mesh", "3")  # what each of 3 ranks would hold
     run("reshard", "convert", str(ckpt), "--to-mesh", "3")  # ckpt_3/, beside ckpt/

@@ -64,7 +64,9 @@ def test_convert_then_verify_exit_codes(fsdp2_dcp, tmp_path: Path) -> None:
     # Flip one element of the copy: verify must say which tensor differs and exit 1.
     from reshard.formats.dcp import DCPFormat
 
-    region = DCPFormat().read(out).tensors["model.proj.weight"].chunks[0].data
+    from reshard.regions import as_region
+
+    region = as_region(DCPFormat().read(out).tensors["model.proj.weight"].chunks[0].data)
     with open(region.path, "r+b") as f:
         f.seek(region.offset)
         f.write(torch.tensor([123.0]).numpy().tobytes())
@@ -109,3 +111,37 @@ def test_installed_entry_point(tmp_path: Path) -> None:
     """The console script itself: help works, and an error is one line with exit 2."""
     assert "convert" in reshard_process("--help").stdout
     assert_one_line_error(reshard_process("inspect", tmp_path / "nope"), "nope")
+
+
+def test_allow_class_reads_a_trusted_class_as_data(tmp_path: Path) -> None:
+    """A class outside the allow-list is refused with the option to pass; with --allow-class
+    the file converts, the class never imported, and torch reads the output back as the class."""
+    from tests.formats.test_torch_save import _unimportable_module
+
+    module = _unimportable_module()
+    present = {"no_such_pkg": type(sys)("no_such_pkg"), "no_such_pkg.conf": module}
+    sys.modules.update(present)
+    try:
+        torch.save({"model": {"w": torch.arange(4.0)}, "args": module.Config(3e-4, torch.ones(2))}, tmp_path / "in.pt")
+    finally:
+        for name in present:
+            del sys.modules[name]
+    refused = reshard("convert", tmp_path / "in.pt", tmp_path / "out.pt")
+    assert_one_line_error(refused, "in.pt", "--allow-class no_such_pkg.conf.Config")
+    assert not (tmp_path / "out.pt").exists()
+    ok = reshard("convert", tmp_path / "in.pt", tmp_path / "out.pt", "--allow-class", "no_such_pkg.conf.Config", "--quiet")
+    assert ok.returncode == 0, ok.stderr
+    listed = reshard("inspect", tmp_path / "in.pt", "--allow-class", "no_such_pkg.conf.Config", "--json")
+    assert listed.returncode == 0 and ["args"] == [o["name"] for o in json.loads(listed.stdout)["objects"]], listed.stderr
+    same = reshard("verify", tmp_path / "in.pt", tmp_path / "out.pt", "--allow-class", "no_such_pkg.conf.Config")
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "no_such_pkg" not in sys.modules
+    assert reshard("inspect", tmp_path / "in.pt").returncode == 2  # allowed for one command only
+    assert_one_line_error(reshard("inspect", tmp_path / "in.pt", "--allow-class", "os.system"), "os.system")
+    sys.modules.update(present)
+    try:
+        out = torch.load(tmp_path / "out.pt", weights_only=False)
+    finally:
+        for name in present:
+            del sys.modules[name]
+    assert type(out["args"]) is module.Config and out["args"].lr == 3e-4 and torch.equal(out["model"]["w"], torch.arange(4.0))

@@ -85,16 +85,37 @@ def test_chained_conversions_stay_exact(fsdp2_dcp, fsdp2_reference, tmp_path: Pa
 
 
 def test_model_export_with_cast_and_selection(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
+    """--only model writes the model's own state dict (section prefix dropped), which
+    model.load_state_dict takes as it is; --dtype casts the model, nothing else."""
+    from tests.fixtures import TinyNet
+
     src = fsdp2_dcp[0]
     reshard.convert(src, tmp_path / "m.safetensors", only="model", dtype="bfloat16", max_memory="1KiB", quiet=True)
     got = load_file(tmp_path / "m.safetensors")
-    model = {n: t for n, t in fsdp2_reference.items() if n.startswith("model.")}
+    model = {n.removeprefix("model."): t for n, t in fsdp2_reference.items() if n.startswith("model.")}
     assert set(got) == set(model)
     assert all(_bits_equal(got[n], t.to(torch.bfloat16)) for n, t in model.items())
-    result = reshard.verify(src, tmp_path / "m.safetensors", atol=1e-2, rtol=1e-2)
-    assert [d.kind for d in result.differences if d.kind != "only in A"] == []
+    TinyNet().to(torch.bfloat16).load_state_dict(got)  # strict: every key, no prefix
+    reshard.convert(src, tmp_path / "m.pt", only="model", exclude="*norm*", quiet=True)
+    kept = torch.load(tmp_path / "m.pt", weights_only=True)
+    assert set(kept) == {n for n in model if "norm" not in n}
+    assert all(_bits_equal(kept[n], model[n]) for n in kept)
     with pytest.raises(UsageError, match="nothing"):
         reshard.convert(src, tmp_path / "none.pt", only="nope", quiet=True)
+    with pytest.raises(UsageError, match="--exclude nope matches nothing"):
+        reshard.convert(src, tmp_path / "none.pt", exclude="nope", quiet=True)
+
+
+def test_dtype_casts_parameters_and_moments_never_step(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
+    """AdamW's float32 step (1001 would become 1000.0 in bf16) and non-model state keep their
+    dtype; parameters and the moments shaped like them are cast."""
+    reshard.convert(fsdp2_dcp[0], tmp_path / "all.pt", dtype="bfloat16", quiet=True)
+    out = torch.load(tmp_path / "all.pt", weights_only=True)
+    state = out["optim"]["state"]["embed.weight"]
+    assert out["model"]["embed.weight"].dtype == state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+    assert state["step"].dtype == torch.float32 and state["step"].dim() == 0
+    assert torch.equal(state["step"], fsdp2_reference["optim.state.embed.weight.step"])
+    assert out["extra"]["scale"].dtype == torch.float32
 
 
 def test_default_destination_is_beside_the_source(fsdp2_dcp, tmp_path: Path) -> None:
@@ -109,3 +130,27 @@ def test_default_destination_is_beside_the_source(fsdp2_dcp, tmp_path: Path) -> 
     result = reshard.convert(src, quiet=True)
     assert result.dst == tmp_path / "ckpt_dcp"
     assert {p.name: p.stat().st_mtime_ns for p in src.iterdir()} == before  # the source is untouched
+    # Every default names what changed, so two different conversions never collide.
+    dry = {args: reshard.convert(src, dry_run=True, quiet=True, **dict(args)).dst.name for args in (
+        (("dtype", "bf16"),), (("mesh", "3"),), (("mesh", "3"), ("to", "torch")), (("to", "hf"), ("weights_only", True)),
+        (("to", "safetensors"), ("max_shard_size", "1MB")), (("to", "zarr"), ("mesh", "2")))}
+    assert list(dry.values()) == ["ckpt_bfloat16", "ckpt_3", "ckpt_3_torch", "ckpt_hf", "ckpt_safetensors", "ckpt_2.zarr"]
+    assert not any((tmp_path / name).exists() for name in dry.values())  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("args, message", [
+    (["out.onnx"], "reshard does not write .onnx files"),
+    (["sh.safetensors", "--max-shard-size", "500KB"], "a sharded safetensors output is a folder"),
+    (["x.pt", "--max-shard-size", "1MB"], "--max-shard-size applies to safetensors, hf and zarr"),
+    (["--keep-per-rank"], "--keep-per-rank applies with --to-mesh"),
+    (["--max-memory", "10"], "--max-memory 10: 10 B is too small"),
+    (["--to-mesh", "foo=2"], "unknown dimension 'foo'"),
+    (["/proc/out.pt"], "/proc/out.pt: cannot write here"),
+])
+def test_surprising_outputs_and_options_are_one_line_errors(fsdp2_dcp, tmp_path: Path, args: list[str], message: str) -> None:
+    from tests.test_cli import assert_one_line_error, reshard as run_cli
+
+    args = [str(tmp_path / a) if a.endswith((".onnx", ".safetensors", ".pt")) and not a.startswith("/") else a
+            for a in args]
+    assert_one_line_error(run_cli("convert", fsdp2_dcp[0], *args, "--quiet"), message)
+    assert [p for p in tmp_path.iterdir()] == []

@@ -87,3 +87,45 @@ def test_digests_are_taken_as_each_file_is_finished(tmp_path: Path) -> None:
         data = (hashed / rel).read_bytes()
         assert data == (plain / rel).read_bytes()
         assert (d.size, d.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_more_files_than_the_open_file_limit(tmp_path: Path) -> None:
+    """Writing 120 files and reading them back, in a process allowed 64 open files: the
+    engine opens files as it needs them and closes idle ones, never all at once."""
+    import subprocess
+    import sys
+
+    torch.save({"w": torch.arange(240 * 3, dtype=torch.float32).reshape(240, 3)}, tmp_path / "in.pt")
+    script = (
+        "import resource, sys, torch, reshard\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "src, mid, out = sys.argv[1:]\n"
+        "reshard.convert(src, mid, mesh='120', quiet=True)\n"
+        "reshard.convert(mid, out, quiet=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "mid"), str(tmp_path / "out.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(list((tmp_path / "mid").glob("*.distcp"))) == 120
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.load(tmp_path / "in.pt")["w"])
+
+
+def test_fd_pool_closes_idle_files_only() -> None:
+    import os
+    import tempfile
+
+    from reshard.fd_pool import FdPool
+
+    with tempfile.TemporaryDirectory() as d:
+        paths = [Path(d) / f"f{i}" for i in range(5)]
+        for p in paths:
+            p.write_bytes(b"x")
+        pool = FdPool(os.O_RDONLY, limit=2)
+        with pool.use(paths[0]) as busy:
+            for p in paths[1:]:
+                with pool.use(p) as fd:
+                    assert os.pread(fd, 1, 0) == b"x"
+            assert os.pread(busy, 1, 0) == b"x"  # still open: in use while others came and went
+            assert pool.open_count <= 2
+        pool.close()
+        assert pool.open_count == 0

@@ -3,9 +3,19 @@ the DCP ``.metadata`` loader.
 
 The contract under test: whatever the bytes, only a ReshardError escapes, its message names
 the file, and no code runs. Where an independent oracle exists the result must also be
-*right*: a safetensors header is accepted exactly when the real library's Rust core accepts
-it (differential fuzzing), and DCP chunks are accepted exactly when they cover the tensor
-once (checked by counting elements).
+*right*:
+
+- safetensors (differential against the library's Rust core): a header is accepted exactly
+  when the Rust core accepts it (we are stricter on a name given twice; a file torch cannot
+  hold is ours to refuse as unsupported), and every file we accept is read in full by both
+  sides: the same names, dtypes, shapes and ``__metadata__``, every tensor equal byte for byte.
+- DCP: chunks are accepted exactly when they cover the tensor once (checked by counting
+  elements), and every ``.metadata`` we accept reads the same through torch's own
+  ``FileSystemReader``: names, sizes, dtypes, chunks in order, byte objects, and each
+  chunk's storage record (file, offset, length).
+
+Only the reference's own refusal (``SafetensorError``) counts as a refusal: any other
+exception from a reference reader, a Rust panic included, fails the test.
 
 Short in CI (``RESHARD_FUZZ_EXAMPLES``, default 200 examples per target); longer by hand:
 ``RESHARD_FUZZ_EXAMPLES=20000 python -m pytest -q tests/test_fuzz.py`` (docs/security.md).
@@ -26,14 +36,18 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcpm
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from reshard.errors import ReshardError, UnsafeCheckpointError
-from reshard.formats.dcp_metadata import load_dcp_index
-from reshard.formats.safetensors_header import read_header
+from reshard.boxes import full_box
+from reshard.errors import ReshardError, UnsafeCheckpointError, UnsupportedFormatError
+from reshard.formats.dcp_metadata import DCPIndex, load_dcp_index
+from reshard.formats.safetensors import SafetensorsFormat
+from reshard.formats.safetensors_header import Header, read_header
+from reshard.regions import StoredRegion
 
 FUZZ = settings(
     max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", "200")),
@@ -76,16 +90,31 @@ def _st_file(header: bytes | dict, data: bytes, length: int | None = None) -> Pa
     return path
 
 
-def _rust_accepts(path: Path) -> bool:
+@contextmanager
+def _reference_panics_fail(path: Path) -> Iterator[None]:
+    """A Rust panic (pyo3's PanicException) derives from BaseException, not Exception: left
+    alone it would skip hypothesis' shrinking and the printed reproducer. Re-raised as an
+    AssertionError it fails the test like any other bug of the reference, with the input."""
     try:
-        with safe_open(str(path), "pt") as f:
+        yield
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise  # exceptions fail the test as they are; KeyboardInterrupt still interrupts
+        raise AssertionError(f"safetensors panicked on {path}: {e}") from e
+
+
+def _rust_accepts(path: Path) -> bool:
+    """Whether the Rust core accepts the header. Only its own refusal (SafetensorError) is a
+    refusal; any other exception is a crash of the reference and fails the test."""
+    try:
+        with _reference_panics_fail(path), safe_open(str(path), "pt") as f:
             f.keys()
-    except Exception:  # noqa: BLE001 - any refusal by the reference implementation
+    except SafetensorError:
         return False
     return True
 
 
-def _check_accepted_header(path: Path) -> None:
+def _check_accepted_header(path: Path) -> Header:
     """What acceptance promises: tensors tile the data exactly, each sized shape x dtype."""
     header = read_header(path)
     at = 0
@@ -93,14 +122,67 @@ def _check_accepted_header(path: Path) -> None:
         assert t.begin == at and t.end - t.begin == torch.Size(t.shape).numel() * t.dtype.itemsize
         at = t.end
     assert header.data_start + at == path.stat().st_size
+    return header
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` in C order: equal bytes, not equal values (NaN != NaN, -0.0 == 0.0)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _our_tensors(path: Path, header: Header) -> dict[str, torch.Tensor]:
+    """Every tensor as reshard reads it: through the catalog, as a conversion does. Where
+    only the catalog refuses (reshard's own metadata keys malformed, a ReshardError naming the
+    file) the tensors are still well defined: read them through the header's regions, which
+    is what the catalog would have handed out."""
+    try:
+        catalog = SafetensorsFormat().read(path)
+    except ReshardError as e:
+        assert str(e).startswith(str(path)), f"error does not name the file: {e}"
+        return {t.name: StoredRegion(path, header.data_start + t.begin, t.dtype, t.shape).read_all()
+                for t in header.tensors}
+    out = {}
+    for name, entry in catalog.tensors.items():
+        [chunk] = entry.chunks  # whole: only DCP's sharding info (never generated here) splits one
+        assert chunk.box == full_box(entry.shape)
+        out[name] = chunk.data.read_all()
+        assert (out[name].dtype, tuple(out[name].shape)) == (entry.dtype, entry.shape), name
+    return out
+
+
+def _check_same_content(path: Path) -> None:
+    """A file we accept must read the same through safetensors itself: same names, dtypes,
+    shapes and ``__metadata__``, every tensor the same bytes. The Rust core accepted the
+    header, so any exception while it reads the tensors is a failure too."""
+    header = _check_accepted_header(path)
+    ours = _our_tensors(path, header)
+    with _reference_panics_fail(path), safe_open(str(path), "pt") as f:
+        assert set(f.keys()) == set(ours), f"names: rust {sorted(f.keys())}, ours {sorted(ours)}"
+        assert (f.metadata() or {}) == header.metadata  # absent and null both read as no metadata
+        for name, mine in ours.items():
+            theirs = f.get_tensor(name)
+            assert (theirs.dtype, theirs.shape) == (mine.dtype, mine.shape), name
+            assert torch.equal(_raw(theirs), _raw(mine)), f"{name}: bytes differ"
+
+
+def _check_against_rust(path: Path, ours: BaseException | None) -> None:
+    """Differential: accepted exactly when the Rust core accepts, and then read the same.
+    Two refusals of ours say nothing about the Rust core: a name given twice (serde keeps the
+    last one, we refuse) and UnsupportedFormatError (a valid file holding a tensor torch
+    cannot hold; raised per tensor before the tiling is checked, so the file may be invalid
+    for other reasons too)."""
+    if ours is None:
+        assert _rust_accepts(path), "we accept a file the Rust core refuses"
+        _check_same_content(path)
+    elif not isinstance(ours, UnsupportedFormatError) and "twice" not in str(ours):
+        assert not _rust_accepts(path), f"we refuse a file the Rust core accepts: {ours!r}"
 
 
 @FUZZ
 @given(st.binary(max_size=256), st.one_of(st.none(), st.integers(0, 2**64 - 1)))
 def test_header_random_bytes(body: bytes, length: int | None) -> None:
     path = _st_file(body, b"", length)
-    if _outcome(lambda: read_header(path), path) is None:
-        _check_accepted_header(path)
+    _check_against_rust(path, _outcome(lambda: read_header(path), path))
 
 
 def _tensor_entries() -> st.SearchStrategy:
@@ -108,6 +190,10 @@ def _tensor_entries() -> st.SearchStrategy:
     offsets = st.lists(st.integers(-1, 80), min_size=2, max_size=2)
     code = st.one_of(st.sampled_from(_CODES), st.sampled_from(["F128", "f32", "", "I4"]))
     return st.fixed_dictionaries({"dtype": code, "shape": dims, "data_offsets": offsets})
+
+
+# Where sizes stop fitting: torch shapes are int64, the Rust core's usize (u64).
+_EDGE_DIMS = [2**31, 2**63 - 1, 2**63, 2**64 - 1, 2**64, 2**64 + 2]
 
 
 @st.composite
@@ -123,7 +209,18 @@ def _headers(draw) -> tuple[dict, int]:
         header[name] = {"dtype": code, "shape": shape, "data_offsets": [at, at + size]}
         at += size
     if names and draw(st.booleans()):
-        header[draw(st.sampled_from(names))] = draw(_tensor_entries())
+        # Mostly one field at a time, so the entry stays plausible and edge values get past
+        # the first check; an extreme dimension beside a zero keeps the byte size (zero) right.
+        name = draw(st.sampled_from(names))
+        entry, how = header[name], draw(st.sampled_from(["dtype", "shape", "data_offsets", "all", "edge dim"]))
+        if how == "edge dim":
+            shape = list(entry["shape"])
+            shape.insert(draw(st.integers(0, len(shape))), draw(st.sampled_from(_EDGE_DIMS)))
+            header[name] = {**entry, "shape": shape}
+        else:
+            perturbed = draw(_tensor_entries())
+            fields = ["dtype", "shape", "data_offsets"] if how == "all" else [how]
+            header[name] = {**entry, **{f: perturbed[f] for f in fields}}
     if draw(st.booleans()):
         header["__metadata__"] = draw(st.one_of(
             st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2),
@@ -136,11 +233,9 @@ def _headers(draw) -> tuple[dict, int]:
 def test_header_agrees_with_the_rust_core(case: tuple[dict, int]) -> None:
     """Differential: our validation accepts exactly what safetensors' own reader accepts."""
     header, data_len = case
-    path = _st_file(json.dumps(header).encode(), bytes(data_len))
-    ours = _outcome(lambda: read_header(path), path)
-    assert (ours is None) == _rust_accepts(path), f"ours: {ours!r}, header {header}, {data_len} data bytes"
-    if ours is None:
-        _check_accepted_header(path)
+    # Distinct bytes, so a tensor read from the wrong offset cannot pass for the right one.
+    path = _st_file(json.dumps(header).encode(), bytes(i % 251 for i in range(data_len)))
+    _check_against_rust(path, _outcome(lambda: read_header(path), path))
 
 
 def _valid_file() -> bytes:
@@ -177,11 +272,7 @@ def _mutations(draw, original: bytes) -> bytes:
 def test_header_mutated_file(data: bytes) -> None:
     path = _SCRATCH / "mutated.safetensors"
     path.write_bytes(data)
-    ours = _outcome(lambda: read_header(path), path)
-    if ours is None:
-        _check_accepted_header(path)
-    if "twice" not in str(ours):  # a name given twice: refused by us, last-one-wins in Rust
-        assert (ours is None) == _rust_accepts(path), f"ours: {ours!r}"
+    _check_against_rust(path, _outcome(lambda: read_header(path), path))
 
 
 # ----------------------------------------------------------------------------- DCP metadata
@@ -214,6 +305,39 @@ def _covers_once(shape: list[int], chunks: list[tuple[list[int], list[int]]]) ->
 def _load(root: Path, data: bytes) -> BaseException | None:
     (root / ".metadata").write_bytes(data)
     return _outcome(lambda: load_dcp_index(root), root / ".metadata")
+
+
+def _check_torch_reads_the_same(root: Path, ours: DCPIndex) -> None:
+    """The index we built from ``root/.metadata`` against torch's own reading of it.
+
+    torch's reader is plain ``pickle.load``, which would run whatever code the bytes name.
+    It is called only after our allow-list unpickler accepted the very same bytes: pickle
+    executes the same opcodes either way, so the bytes name only allow-listed, inert globals
+    (DCP's record classes, torch.Size, dtypes, pathlib paths, a few data-only builtins)
+    called with arguments our stand-ins already accepted. Never call this on bytes we refused.
+    Anything torch raises here is a failure: we accepted a file torch cannot read.
+    """
+    meta = FileSystemReader(root).read_metadata()
+    entries = meta.state_dict_metadata
+    tensors = {n: md for n, md in entries.items() if isinstance(md, dcpm.TensorStorageMetadata)}
+    objects = {n for n, md in entries.items() if isinstance(md, dcpm.BytesStorageMetadata)}
+    assert set(ours.tensors) == set(tensors) and set(ours.objects) == objects
+    for name, (shape, dtype, chunks) in ours.tensors.items():
+        md = tensors[name]
+        assert (tuple(md.size), md.properties.dtype) == (shape, dtype), name
+        assert [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks] == [(b.offsets, b.sizes) for b, _ in chunks]
+        for box, rec in chunks:
+            # The key torch's planner looks a chunk's bytes up by (index is not compared).
+            info = meta.storage_data[dcpm.MetadataIndex(name, box.offsets)]
+            assert (info.relative_path, info.offset, info.length) == (rec.relpath, rec.offset, rec.length), name
+
+
+def _load_and_compare(root: Path, data: bytes) -> BaseException | None:
+    """``_load``, then, when we accept, the same answer from torch's reader."""
+    refused = _load(root, data)
+    if refused is None:
+        _check_torch_reads_the_same(root, load_dcp_index(root))
+    return refused
 
 
 @st.composite
@@ -253,7 +377,7 @@ def test_dcp_chunks_accepted_iff_they_cover_once(case) -> None:
             data = _metadata(shape, chunks, ["__0_0.distcp"])
         except (RuntimeError, ValueError):  # torch.Size refuses a negative size: not writable, skip
             return
-        refused = _load(root, data)
+        refused = _load_and_compare(root, data)
         assert (refused is None) == _covers_once(shape, chunks), f"{shape} {chunks}: {refused!r}"
 
 
@@ -262,7 +386,7 @@ def test_dcp_chunks_accepted_iff_they_cover_once(case) -> None:
                                  "..", "", "C:\\x", "./__0_0.distcp"]), min_size=1, max_size=3))
 def test_dcp_data_paths_stay_inside(relpaths: list[str]) -> None:
     with _scratch() as root:
-        refused = _load(root, _metadata([4], [([0], [2]), ([2], [2])], relpaths))
+        refused = _load_and_compare(root, _metadata([4], [([0], [2]), ([2], [2])], relpaths))
         escapes = any(p.startswith(("/", "\\")) or ".." in p.split("/") or not p for p in relpaths[:2])
         assert isinstance(refused, UnsafeCheckpointError) == escapes, f"{relpaths}: {refused!r}"
 
@@ -274,7 +398,7 @@ _VALID_META = _metadata([6, 4], [([0, 0], [3, 4]), ([3, 0], [3, 4])], ["__0_0.di
 @given(st.one_of(_mutations(_VALID_META), st.binary(max_size=512)))
 def test_dcp_metadata_mutated_or_random(data: bytes) -> None:
     with _scratch() as root:
-        _load(root, data)
+        _load_and_compare(root, data)
 
 
 class _Payload:

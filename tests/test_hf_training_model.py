@@ -73,11 +73,12 @@ def test_training_checkpoint_exports_to_transformers_with_the_same_logits(checkp
     assert reshard.inspect(ckpt).attrs.get("source_world_size") == 3
     proc = run_cli("convert", ckpt, tmp_path / "OUT", "--to", "hf")
     assert proc.returncode == 0, proc.stderr
-    assert "optimizer state tensors left out" in proc.stderr and "titan-to-hf" in proc.stderr
+    assert "optimizer state tensors left out" in proc.stderr and "titan-to-hf" in proc.stderr and "llama3" in proc.stderr
     out = tmp_path / "OUT"
     config = json.loads((out / "config.json").read_text())
-    assert (config["tie_word_embeddings"], config["num_key_value_heads"], config["rope_theta"]) == \
+    assert (config["tie_word_embeddings"], config["num_key_value_heads"], config["rope_parameters"]["rope_theta"]) == \
         (cfg.tie_embeddings, cfg.n_kv_heads, cfg.rope_theta)
+    assert "torch_dtype" not in config and "rope_theta" not in config  # current transformers keys only
     with torch.no_grad():
         want = _reference(checkpoints, name)(TOKENS)
     torch.testing.assert_close(hf_logits(out), want, atol=1e-5, rtol=0)

@@ -142,7 +142,7 @@ def test_push_creates_the_repo_and_uploads_the_folder(folder: Path, hub: type[_R
     upload = calls["upload_folder"]
     assert (upload["repo_id"], Path(upload["folder_path"]), upload["revision"], upload["commit_message"]) == \
         ("me/tiny", folder, "v1", "first")
-    assert ".reshard-*" in upload["ignore_patterns"]
+    assert ".reshard-*" in upload["ignore_patterns"] and "config.json" in upload["allow_patterns"]
     assert proc.stdout.startswith("uploaded ")
 
 
@@ -152,10 +152,31 @@ def test_large_folders_use_upload_large_folder(folder: Path, hub: type[_Recorder
     assert [c[0] for c in hub.calls][-1] == "upload_large_folder" and result.bytes > 1
 
 
-def test_repo_with_other_content_is_refused(folder: Path, hub: type[_Recorder]) -> None:
-    hub.existing = [".gitattributes", "pytorch_model.bin", "config.json"]
-    assert_one_line_error(run_cli("push", folder, "me/tiny"), "me/tiny", "pytorch_model.bin", "other files")
-    assert "upload_folder" not in [c[0] for c in hub.calls]
+def test_repo_with_other_content_is_updated_and_stale_weights_named(folder: Path, hub: type[_Recorder]) -> None:
+    """A tokenizer uploaded first is fine; an old pytorch_model.bin left beside new safetensors is said."""
+    hub.existing = [".gitattributes", "pytorch_model.bin", "config.json", "tokenizer.json"]
+    proc = run_cli("push", folder, "me/tiny")
+    assert proc.returncode == 0, proc.stderr
+    assert "notice: the repo keeps weight files this push does not replace: pytorch_model.bin" in proc.stderr
+    assert "tokenizer.json" not in proc.stderr and "upload_folder" in [c[0] for c in hub.calls]
+
+
+def test_push_options_token_pr_include_exclude(folder: Path, hub: type[_Recorder], monkeypatch: pytest.MonkeyPatch) -> None:
+    proc = run_cli("push", folder, "me/tiny", "--token", "hf_mine", "--create-pr", "--exclude", "README.md")
+    assert proc.returncode == 0, proc.stderr
+    calls = dict(hub.calls)
+    assert calls["init"]["token"] == "hf_mine" and calls["upload_folder"]["create_pr"] is True
+    assert "README.md" not in calls["upload_folder"]["allow_patterns"] and "config.json" in calls["upload_folder"]["allow_patterns"]
+    assert "create_branch" not in calls and "pull request on me/tiny" in proc.stdout
+    dry = run_cli("push", folder, "me/tiny", "--dry-run", "--include", "*.json")
+    assert dry.returncode == 0 and all(line.strip().split()[0].endswith(".json") for line in dry.stdout.splitlines()[1:])
+    monkeypatch.setattr(reshard.hub, "HUB_FILE_LIMIT", 1000)
+    assert_one_line_error(run_cli("push", folder, "me/tiny", "--dry-run"), "50 GB limit per file", "--max-shard-size 5GB")
+
+
+def test_swapped_arguments_get_a_hint(folder: Path) -> None:
+    assert_one_line_error(run_cli("push", "me/tiny", folder, "--dry-run"), "arguments look swapped",
+                          f"reshard push {folder} me/tiny")
 
 
 def test_no_token_offline_and_no_network_are_one_line_errors(folder: Path, hub: type[_Recorder],

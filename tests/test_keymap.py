@@ -18,7 +18,7 @@ import reshard
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import UsageError
-from reshard.keymap import PRESETS, load_keymap
+from reshard.keymap import PRESETS, Drop, load_keymap
 from reshard.keymap_chunks import read_box
 from reshard.regions import StoredRegion
 from tests.test_cli import assert_one_line_error, reshard as run_cli
@@ -126,7 +126,9 @@ def test_every_preset_inverse_is_derived_and_undoes_it() -> None:
     names += ["tok_embeddings.weight", "output.weight", "something.else"]
     for preset in ("titan-to-hf", "hf-unfuse"):
         km = load_keymap(preset)
-        assert km.inverse().inverse().rules == km.rules and km.inverse().rules != km.rules
+        for one in getattr(km, "families", {"": km}).values():  # torchtitan presets: a map per model family
+            kept = tuple(r for r in one.rules if not isinstance(r, Drop))  # what a Drop left out stays out
+            assert one.inverse().inverse().rules == kept and one.inverse().rules != kept
     km = load_keymap("titan-to-hf")
     assert [load_keymap("hf-to-titan").map_name(km.map_name(n)[0]) for n in names] == [[n] for n in names]
     assert km.map_name("layers.12.attention.wk.weight") == ["model.layers.12.self_attn.k_proj.weight"]
@@ -228,3 +230,73 @@ def test_split_of_stored_rows_stays_a_stored_region(tmp_path: Path) -> None:
     cat = load_keymap("hf-unfuse").apply(reshard.inspect(tmp_path / "f.safetensors"))
     up = cat.tensors["model.layers.0.mlp.up_proj.weight"]
     assert isinstance(up.chunks[0].data, StoredRegion) and torch.equal(read_box(up, full_box((3, 4))), t[3:])
+
+
+def _moe_titan(era: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A torchtitan qwen3 MoE layer in either era's names, and the grouped-expert names."""
+    g = torch.Generator().manual_seed(3)
+    names = {"v2": ("moe.experts.w1", "moe.experts.w2", "moe.experts.w3", "attention.wq.weight"),
+             "v3": ("moe.routed_experts.inner_experts.w1_EFD", "moe.routed_experts.inner_experts.w2_EDF",
+                    "moe.routed_experts.inner_experts.w3_EFD", "attention.qkv_linear.wq.weight")}[era]
+    w1, w2, w3, wq = (f"layers.0.{n}" for n in names)
+    experts, hidden = 5, 6
+    sd = {w1: torch.randn(experts, hidden, DIM, generator=g), w3: torch.randn(experts, hidden, DIM, generator=g),
+          w2: torch.randn(experts, DIM, hidden, generator=g), wq: torch.randn(N_HEADS * HD, DIM, generator=g),
+          "layers.0.moe.router.gate.weight": torch.randn(experts, DIM, generator=g),
+          "layers.0.attention.q_norm.weight": torch.randn(HD, generator=g),
+          "freqs_cis": torch.randn(16, 4, dtype=torch.complex64, generator=g)}
+    return sd, {"w1": w1, "w2": w2, "w3": w3}
+
+
+@pytest.mark.parametrize("era", ["v2", "v3"])
+def test_grouped_experts_unstack_to_hf_and_stack_back(tmp_path: Path, era: str) -> None:
+    """torchtitan's grouped MoE tensors <-> HF's expert per tensor, optimizer state following,
+    freqs_cis left out (HF has no such buffer); streamed as views of the stored chunks."""
+    model, grouped = _moe_titan(era)
+    state = {n: {"exp_avg": t * 2, "step": torch.tensor(4.0)} for n, t in model.items() if not t.is_complex()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model, "optim": {"state": state, "param_groups": [{"lr": 0.1, "params": list(state)}]}},
+                 checkpoint_id=tmp_path / "titan", no_dist=True)
+    config = {"model_type": "qwen3_moe", "num_attention_heads": N_HEADS, "num_key_value_heads": N_KV}
+    cat = reshard.inspect(tmp_path / "titan")
+    cat.attrs["hf_config"] = config
+    hf = load_keymap("titan-to-hf").apply(cat)
+    assert not any("freqs_cis" in n for n in hf.tensors) and any("freqs_cis" in n for n in hf.notices)
+    for e in range(5):
+        for part, key in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            fqn = f"model.layers.0.mlp.experts.{e}.{part}.weight"
+            got = hf.tensors[f"model.{fqn}"]
+            assert torch.equal(read_box(got, full_box(got.shape)), model[grouped[key]][e]), (fqn, era)
+            moment = hf.tensors[f"optim.state.{fqn}.exp_avg"]
+            assert torch.equal(read_box(moment, full_box(moment.shape)), model[grouped[key]][e] * 2)
+            assert f"optim.state.{fqn}.step" in hf.tensors
+    q = hf.tensors["model.model.layers.0.self_attn.q_proj.weight"]  # qwen3: HF's RoPE order already, no permutation
+    assert torch.equal(read_box(q, full_box(q.shape)), next(v for k, v in model.items() if k.endswith("wq.weight")))
+    assert "model.layers.0.mlp.experts.4.down_proj.weight" in hf.objects["optim.param_groups.0.params"]
+    # Back to torchtitan's grouped tensors, bit for bit, in the era asked for.
+    hf.attrs["hf_config"] = config
+    back = load_keymap("hf-to-titan" if era == "v2" else "hf-to-titan-0.3").apply(hf)
+    for key, name in grouped.items():
+        got = back.tensors[f"model.{name}"]
+        assert got.shape == model[name].shape and torch.equal(read_box(got, full_box(got.shape)), model[name])
+        step = back.tensors[f"optim.state.{name}.step"]
+        assert step.shape == () and torch.equal(read_box(step, Box((), ())), torch.tensor(4.0))
+
+
+def test_family_comes_from_the_config_or_the_names() -> None:
+    from reshard.keymap import titan_family
+
+    def cat(names: list[str], config: dict | None = None) -> Catalog:
+        c = Catalog("dcp", Path("x"))
+        c.tensors = {n: TensorEntry(n, (2,), torch.float32) for n in names}
+        if config:
+            c.attrs["hf_config"] = config
+        return c
+
+    assert titan_family(cat(["layers.0.attention.wq.weight"])) == "llama3"
+    assert titan_family(cat(["layers.0.attention.q_norm.weight"])) == "qwen3"
+    assert titan_family(cat(["layers.0.attention.wkv_a.weight"])) == "deepseek_v3"
+    assert titan_family(cat(["layers.0.attention.wq.weight"], {"model_type": "qwen3"})) == "qwen3"
+    with pytest.raises(UsageError, match="model_type 'gpt2' has no torchtitan key map"):
+        titan_family(cat([], {"model_type": "gpt2"}))

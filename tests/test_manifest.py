@@ -59,7 +59,7 @@ def test_each_change_is_reported_by_file(tmp_path: Path) -> None:
     checked, problems = check_manifest(root)
     assert checked == 4
     assert [(p.relpath, p.kind) for p in problems] == [
-        ("a.bin", "checksum"), ("empty", "missing"), ("stray.tmp", "extra"), ("sub/deeper/c.json", "size")]
+        ("a.bin", "checksum"), ("empty", "missing"), ("stray.tmp", "not_in_manifest"), ("sub/deeper/c.json", "size")]
     assert "16 bytes, manifest says 8" in problems[3].detail
 
 
@@ -126,6 +126,10 @@ def test_verify_quick_on_real_outputs_that_real_readers_still_load(tmp_path: Pat
         loaded.update(load_file(tmp_path / "st" / f))
     assert loaded.keys() == ref.keys() and all(torch.equal(loaded[k], ref[k]) for k in ref)
     assert "__1_0.distcp" in read_manifest(tmp_path / "ranks")  # --to-mesh: one DCP file per rank
+    (tmp_path / "st" / "README.md").write_text("added by hand")  # not a failure of what reshard wrote
+    added = reshard("verify", "--quick", tmp_path / "st")
+    assert added.returncode == 0 and "note: 1 file(s) not in manifest (added after the conversion, not checked): " \
+        "README.md" in added.stdout, added.stdout
 
     _flip(tmp_path / "dcp" / "__0_0.distcp", 2000)
     bad = reshard("verify", "--quick", tmp_path / "dcp")

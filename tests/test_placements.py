@@ -13,7 +13,14 @@ from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import UsageError
 from reshard.layout import REPLICATE, distinct_boxes, local_boxes, parse_mesh, parse_placement, shard
 from reshard.mesh_target import mesh_target, per_rank_names, uneven_dims
-from reshard.placements import assign_placements, load_placement_plan, param_fqn
+from reshard.conventions import detect_layout
+from reshard.placements import assign_placements, load_placement_plan
+
+
+def _layout(shapes: dict[str, tuple[int, ...]]):
+    cat = Catalog("dcp", Path("src"))
+    cat.tensors = {n: TensorEntry(n, s, torch.float32) for n, s in shapes.items()}
+    return detect_layout(cat)
 
 _LLAMA = {
     "model.tok_embeddings.weight": (64, 32),
@@ -46,7 +53,8 @@ def test_presets_and_fsdp_tp_plan_for_the_training_model() -> None:
     assert load_placement_plan(None, mesh1).name == "fsdp" and load_placement_plan(None, mesh2).name == "hsdp"
     with pytest.raises(UsageError):
         load_placement_plan(None, parse_mesh("2x2x2"))
-    tp = assign_placements(load_placement_plan("fsdp+tp", parse_mesh("dp_shard=2,tp=2")), parse_mesh("dp_shard=2,tp=2"), _LLAMA)
+    tp = assign_placements(load_placement_plan("fsdp+tp", parse_mesh("dp_shard=2,tp=2")), parse_mesh("dp_shard=2,tp=2"),
+                           _LLAMA, _layout(_LLAMA))
     assert tp["model.layers.0.attention.wq.weight"] == (shard(0), shard(0))  # column-wise
     assert tp["model.layers.0.attention.wo.weight"] == (shard(0), shard(1))  # row-wise
     assert tp["model.layers.0.feed_forward.w2.weight"] == (shard(0), shard(1))
@@ -56,14 +64,8 @@ def test_presets_and_fsdp_tp_plan_for_the_training_model() -> None:
     assert tp["optim.state.layers.0.attention.wo.weight.step"] == (REPLICATE, REPLICATE)
     assert tp["extra.scale"] == (REPLICATE, REPLICATE)
     with pytest.raises(UsageError, match="match no tensor"):  # the TP preset on a model it does not know
-        assign_placements(load_placement_plan("fsdp+tp", parse_mesh("2x2")), parse_mesh("2x2"), {"model.a.weight": (4, 4)})
-
-
-def test_param_names() -> None:
-    assert param_fqn("model.layers.0.w") == "layers.0.w"
-    assert param_fqn("optim.state.layers.0.w.exp_avg") == "layers.0.w"
-    assert param_fqn("optim.param_groups.0.lr") is None and param_fqn("extra.scale") is None
-    assert param_fqn("lm_head.weight", sectioned=False) == "lm_head.weight"
+        assign_placements(load_placement_plan("fsdp+tp", parse_mesh("2x2")), parse_mesh("2x2"), {"model.a.weight": (4, 4)},
+                          _layout({"model.a.weight": (4, 4)}))
 
 
 def test_replicas_are_stored_once_and_spread_over_ranks() -> None:
@@ -109,3 +111,45 @@ def test_per_rank_state_dropped_with_a_notice_unless_the_rank_count_is_unchanged
     assert "rng_states.rank_1" in kept.objects and "kept per-rank state" in kept.notices[0]
     same = mesh_target(_catalog(4), parse_mesh("4"), plan)
     assert "rng_states.rank_1" in same.objects and not same.notices
+
+
+_HF = {
+    "model.embed_tokens.weight": (64, 32),
+    "model.layers.0.self_attn.q_proj.weight": (32, 32),
+    "model.layers.0.self_attn.q_proj.bias": (32,),
+    "model.layers.0.self_attn.o_proj.weight": (32, 32),
+    "model.layers.0.mlp.up_proj.weight": (48, 32),
+    "model.layers.0.mlp.down_proj.weight": (32, 48),
+    "model.layers.0.input_layernorm.weight": (32,),
+    "model.norm.weight": (32,),
+    "lm_head.weight": (64, 32),
+}
+
+
+def test_mesh_names_choose_the_placements_or_refuse() -> None:
+    """A mesh naming tp is laid out with tensor parallelism, never silently as HSDP; names
+    reshard does not know are refused with the choices."""
+    assert load_placement_plan(None, parse_mesh("dp_shard=4,tp=2")).name == "fsdp+tp"
+    assert load_placement_plan(None, parse_mesh("dp_replicate=2,dp_shard=4")).name == "hsdp"
+    with pytest.raises(UsageError, match=r"no default placements; give --placements fsdp .* fsdp\+tp"):
+        load_placement_plan(None, parse_mesh("dp_shard=2,cp=2"))
+    with pytest.raises(UsageError, match="unknown dimension 'foo'"):
+        parse_mesh("foo=2")
+    mesh = parse_mesh("dp_shard=2,tp=2")
+    with pytest.raises(UsageError, match="match no tensor"):
+        assign_placements(load_placement_plan(None, mesh), mesh, {"model.a.weight": (4, 4)},
+                          _layout({"model.a.weight": (4, 4)}))
+
+
+def test_tp_preset_knows_hf_names_and_three_dim_meshes() -> None:
+    mesh = parse_mesh("dp_shard=4,tp=2")
+    got = assign_placements(load_placement_plan("fsdp+tp", mesh), mesh, _HF, _layout(_HF))
+    col, row, rep = (shard(0), shard(0)), (shard(0), shard(1)), (shard(0), REPLICATE)
+    assert got["model.layers.0.self_attn.q_proj.weight"] == col and got["model.layers.0.self_attn.q_proj.bias"] == col
+    assert got["model.layers.0.self_attn.o_proj.weight"] == row and got["model.layers.0.mlp.down_proj.weight"] == row
+    assert got["model.layers.0.mlp.up_proj.weight"] == col and got["lm_head.weight"] == col
+    assert got["model.norm.weight"] == rep and got["model.layers.0.input_layernorm.weight"] == rep
+    mesh3 = parse_mesh("dp_replicate=2,dp_shard=2,tp=2")
+    got3 = assign_placements(load_placement_plan(None, mesh3), mesh3, _HF, _layout(_HF))
+    assert got3["model.layers.0.self_attn.o_proj.weight"] == (REPLICATE, shard(0), shard(1))
+    assert got3["model.norm.weight"] == (REPLICATE, shard(0), REPLICATE)

@@ -68,8 +68,8 @@ def test_exact_name_wins_over_section() -> None:
     cat = _catalog({"w": (5, 2), "model.w": (5, 2)})
     plan = make_load_plan(cat, [{"w": _whole((5, 2))}], strict=False, slab_bytes=64)
     assert [(i.target, i.source) for i in plan.items] == [("w", "w")]
-    # Unexpected names are looked for only in the sections that were loaded from.
-    assert plan.unexpected == []
+    # A flat checkpoint whose names say nothing of sections: model.w is one more parameter.
+    assert plan.unexpected == ["model.w"]
 
 
 def test_mismatch_is_one_error_naming_missing_and_unexpected() -> None:

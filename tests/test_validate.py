@@ -10,8 +10,9 @@ import pytest
 
 import reshard
 import reshard.validate as validate_mod
-from reshard.regions import StoredRegion
+from reshard.regions import StoredRegion, as_region
 from reshard.validate import PathResult, ValidateResult, format_table, validate
+from tests.schema import check
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
 
@@ -30,8 +31,8 @@ def test_validate_hsdp_to_4_reports_exact_state_and_fp32_noise(tmp_path: Path) -
     proc = run_cli("validate", "--from-mesh", "1x2", "--to-mesh", "4", "--steps", "3", "--json",
                    "--workdir", tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(proc.stdout)
-    assert doc["ok"] and sorted(doc["reference_losses"]) == ["1", "2", "3", "4", "5", "6"]
+    doc = check(json.loads(proc.stdout))
+    assert doc["command"] == "validate" and doc["ok"] and sorted(doc["reference_losses"]) == ["1", "2", "3", "4", "5", "6"]
     assert [p["name"] for p in doc["paths"]] == ["dcp", "safetensors", "torch", "zarr"]
     for p in doc["paths"]:
         assert (p["status"], p["converted_exact"], p["loaded_exact"]) == ("match", True, True), p
@@ -44,7 +45,7 @@ def test_validate_hsdp_to_4_reports_exact_state_and_fp32_noise(tmp_path: Path) -
 
 def _flip_one_element(ckpt: Path, name: str) -> None:
     """Flip the sign bit of the first element of tensor ``name`` where it is stored on disk."""
-    region = reshard.inspect(ckpt).tensors[name].chunks[0].data
+    region = as_region(reshard.inspect(ckpt).tensors[name].chunks[0].data)
     assert isinstance(region, StoredRegion) and region.dtype.itemsize == 4
     with open(region.path, "r+b") as f:
         f.seek(region.offset + 3)  # little-endian float32: the sign is in the last byte

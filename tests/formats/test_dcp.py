@@ -45,6 +45,42 @@ def test_written_dcp_loads_with_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Path
     assert full["extra"]["note"] == "tiny"
 
 
+def _plain_training_state() -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
+    """A model and a plain AdamW whose ``state`` is keyed by int ids {0, 1, 4, 5} (params 2 and
+    3 get no gradient), as ``torch.save({"model": ..., "optimizer": opt.state_dict()})`` keeps it."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(4, 3), "frozen": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 2)})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9))
+    model["b"](model["a"](torch.randn(2, 4))).sum().backward()
+    opt.step()
+    return model, opt, {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def test_int_keyed_dicts_are_written_as_torch_writes_them(tmp_path: Path) -> None:
+    """torch's readers see what torch's own dcp.save of the same dict gives them (str keys);
+    reshard's reader gives back the int keys, so optimizer.load_state_dict works after the hop."""
+    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+
+    model, opt, state = _plain_training_state()
+    assert sorted(state["optimizer"]["state"]) == [0, 1, 4, 5]
+    torch.save(state, tmp_path / "src.pt")
+    reshard.convert(tmp_path / "src.pt", tmp_path / "ours", quiet=True)
+    torch_save_to_dcp(tmp_path / "src.pt", tmp_path / "theirs")
+    for name in ("ours", "theirs"):
+        dcp_to_torch_save(tmp_path / name, tmp_path / f"{name}.pt")
+    ours, theirs = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("ours", "theirs"))
+    assert sorted(ours["optimizer"]["state"]) == sorted(theirs["optimizer"]["state"]) == ["0", "1", "4", "5"]
+    assert reshard.verify(tmp_path / "ours.pt", tmp_path / "theirs.pt").equal  # structure, types and bits
+    reshard.convert(tmp_path / "ours", tmp_path / "back.pt", quiet=True)
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert sorted(back["optimizer"]["state"]) == [0, 1, 4, 5]
+    assert reshard.verify(tmp_path / "src.pt", tmp_path / "back.pt").equal
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.5)
+    fresh.load_state_dict(back["optimizer"])
+    assert fresh.param_groups[0]["lr"] == 0.01 and fresh.param_groups[0]["betas"] == (0.8, 0.9)
+    assert torch.equal(fresh.state[model["b"].bias]["exp_avg"], opt.state[model["b"].bias]["exp_avg"])
+
+
 class _Evil:
     def __init__(self, marker: str) -> None:
         self.marker = marker

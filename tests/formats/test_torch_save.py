@@ -161,6 +161,8 @@ def test_writer_refuses_sharded_layout(tmp_path: Path) -> None:
 
 
 def test_malicious_pickle_is_refused_not_run(tmp_path: Path) -> None:
+    """Refused when the object is asked for, not when the file is cataloged: the model's
+    tensors stay readable, the payload never runs."""
     torch.save({"w": torch.ones(2)}, tmp_path / "good.pt")
     marker = tmp_path / "pwned"
     bad = tmp_path / "bad.pt"
@@ -168,8 +170,11 @@ def test_malicious_pickle_is_refused_not_run(tmp_path: Path) -> None:
         for info in src.infolist():
             data = pickle.dumps({"w": _Evil(str(marker))}) if info.filename.endswith("data.pkl") else src.read(info)
             dst.writestr(info.filename, data)
-    with pytest.raises(UnsafeCheckpointError, match=r"bad\.pt.*(posix|os)\.system.*not on reshard's allow-list"):
-        TorchSaveFormat().read(bad)
+    cat = TorchSaveFormat().read(bad)
+    assert list(cat.objects) == ["w"] and not cat.tensors
+    with pytest.raises(UnsafeCheckpointError, match=r"bad\.pt: 'w' refers to (posix|os)\.system, which is not on "
+                                                    r"reshard's allow-list.*re-save it with plain tensors"):
+        cat.objects["w"]
     assert not marker.exists()
 
 
@@ -180,9 +185,15 @@ def test_broken_files_are_corrupt(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(content)
         with pytest.raises(CorruptCheckpointError, match=rf"{name}: not a torch.save zip archive"):
             TorchSaveFormat().read(tmp_path / name)
-    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
-    with pytest.raises(CorruptCheckpointError, match="legacy .pre-1.6. files are not supported"):
-        TorchSaveFormat().read(tmp_path / "legacy.pt")
+    # Legacy (pre-1.6) files are read (tests/formats/test_torch_legacy.py); cut ones are corrupt.
+    torch.save({"w": torch.ones(64)}, tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    legacy = (tmp_path / "legacy.pt").read_bytes()
+    for name, content, message in [("l1.pt", legacy[:-1], "runs past the end of the file"),
+                                   ("l2.pt", legacy[:40], "cannot be unpickled"),
+                                   ("l3.pt", pickle.dumps({"w": 1}, protocol=2), "not a legacy torch.save file")]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(CorruptCheckpointError, match=rf"{name}: .*{message}"):
+            TorchSaveFormat().read(tmp_path / name)
 
 
 # ---------------------------------------------------------------------------------- rank files
@@ -219,7 +230,10 @@ def _save_worker(rank: int, world_size: int, out: str) -> None:
     model(torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(rank))).square().mean().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
-    torch.save({"model": msd, "optim": osd, "step": 1}, root / "fsdp" / f"rank{rank}.pt")
+    # Beside the shards: state that differs per rank (a plain tensor, an object) and state
+    # that does not (step), as real jobs save RNG states and data loader positions.
+    per_rank = {"seed": torch.full((3,), float(rank)), "loader": {"pos": rank}}
+    torch.save({"model": msd, "optim": osd, "step": 1, **per_rank}, root / "fsdp" / f"rank{rank}.pt")
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=root / "dcp")
     ref = {f"model.{k}": full(v) for k, v in msd.items()}
     ref.update({f"optim.state.{p}.{k}": full(v) for p, st in osd["state"].items() for k, v in st.items()})
@@ -239,16 +253,49 @@ def _save_worker(rank: int, world_size: int, out: str) -> None:
     single = distribute_tensor(torch.arange(6.0), one, [Shard(0)])
     if rank == 1:
         torch.save({"w": single}, root / "one_rank.pt")
+    ref.update(_save_verl(root / "verl", rank, world_size, mesh))
     if rank == 0:
         torch.save(ref, root / "ref.pt")
     dist.barrier()
+
+
+def _save_verl(folder: Path, rank: int, world_size: int, mesh) -> dict[str, torch.Tensor]:
+    """A checkpoint as verl's FSDPCheckpointManager saves it with FSDP2: model, optimizer and
+    extra state (scheduler, RNG states), each torch.save'd by every rank."""
+    import random
+
+    import numpy as np
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(1)
+    model = TinyNet()
+    for sub in (model.embed, model.proj, model.head):
+        fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.5, total_iters=4)
+    model(torch.randint(0, 11, (4, 5), generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+    opt.step()
+    sched.step()
+    np.random.seed(rank)
+    random.seed(rank)
+    rng = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    name = f"world_size_{world_size}_rank_{rank}.pt"
+    torch.save(model.state_dict(), folder / f"model_{name}")
+    torch.save(opt.state_dict(), folder / f"optim_{name}")
+    torch.save({"lr_scheduler": sched.state_dict(), "rng": rng}, folder / f"extra_state_{name}")
+    full = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
+    ref = {f"verl.model.{k}": full(v) for k, v in model.state_dict().items()}
+    ref.update({f"verl.optim.state.{p}.{k}": full(v) for p, st in opt.state_dict()["state"].items() for k, v in st.items()})
+    return ref
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     """One 4-rank gloo world for every multi-rank check (ranks are slow to start)."""
     root = tmp_path_factory.mktemp("ranks")
-    for sub in ("fsdp", "hsdp", "partial"):
+    for sub in ("fsdp", "hsdp", "partial", "verl"):
         (root / sub).mkdir()
     run_world(_save_worker, 4, str(root), timeout=240)
     return root, torch.load(root / "ref.pt", weights_only=True)
@@ -259,7 +306,7 @@ def test_reads_fsdp2_rank_files_exactly(saved) -> None:
     assert detect_format(root / "fsdp").name == "torch-ranks"
     cat = TorchRanksFormat().read(root / "fsdp")
     for name, want in ref.items():
-        if not name.startswith("hsdp."):
+        if not name.startswith(("hsdp.", "verl.")):
             _same(full_tensor(cat.tensors[name]), want, name)
     assert [c.box.sizes[0] for c in cat.tensors["model.embed.weight"].chunks] == [3, 3, 3, 2]
     assert [c.box.offsets[0] for c in cat.tensors["model.proj.weight"].chunks] == [0, 2, 4, 6]
@@ -268,6 +315,25 @@ def test_reads_fsdp2_rank_files_exactly(saved) -> None:
     assert cat.objects["step"] == 1 and cat.objects["optim.param_groups.0.lr"] == 1e-2
     assert cat.attrs["source_mesh"] == (4,) and cat.attrs["source_world_size"] == 4
     assert cat.attrs["source_placements"]["model.embed.weight"] == ["Shard(0)"]
+
+
+def test_state_that_differs_per_rank_is_kept_per_rank(saved, tmp_path: Path) -> None:
+    """Never one rank's copy standing for all: each rank's value under NAME.rank<r>, said."""
+    root, _ = saved
+    cat = TorchRanksFormat().read(root / "fsdp")
+    for r in range(4):
+        assert torch.equal(full_tensor(cat.tensors[f"seed.rank{r}"]), torch.full((3,), float(r)))
+        assert cat.objects[f"loader.pos.rank{r}"] == r
+        assert cat.paths[f"seed.rank{r}"] == ("seed", f"rank{r}")
+    assert "seed" not in cat.tensors and "loader.pos" not in cat.objects
+    assert any("seed, loader.pos" in n for n in cat.notices)
+    out = reshard.convert(root / "fsdp", tmp_path / "full.pt", quiet=True)
+    assert any("kept once per rank" in n for n in out.notices)
+    full = torch.load(tmp_path / "full.pt", weights_only=True)  # an outside reader
+    assert [full["seed"][f"rank{r}"].tolist() for r in range(4)] == [[float(r)] * 3 for r in range(4)]
+    assert full["loader"]["pos"] == {f"rank{r}": r for r in range(4)} and full["step"] == 1
+    relaid = reshard.convert(root / "fsdp", tmp_path / "three", mesh="3", quiet=True)
+    assert any("dropped per-rank state" in n and "seed.rank3" in n for n in relaid.notices)
 
 
 def test_reads_hsdp_and_nested_shards(saved) -> None:
@@ -310,7 +376,7 @@ def test_unplaceable_dtensors_are_refused(saved, tmp_path: Path, monkeypatch) ->
     ]:
         mesh = (2,) * len(placements)
         trees = {r: {"x": DTensorRef(local, (4,), placements, mesh, None, extra=extra)} for r in range(2 ** len(placements))}
-        monkeypatch.setattr(torch_ranks, "read_torch_zip", lambda f: trees[int(f.stem[4:])])
+        monkeypatch.setattr(torch_ranks, "read_torch_file", lambda f: trees[int(f.stem[4:])])
         folder = tmp_path / message.replace(" ", "_")
         folder.mkdir()
         for r in trees:
@@ -376,4 +442,203 @@ def test_dcp_checkpoint_to_torch_file_loads_into_the_model(saved, tmp_path: Path
     # A per-rank folder converts to the same full file (keys in the order the trainer had them:
     # DCP's metadata lists AdamW's "step" last).
     reshard.convert(root / "fsdp", tmp_path / "from_ranks.pt", quiet=True)
-    _same(torch.load(tmp_path / "from_ranks.pt", weights_only=True), {**theirs, "step": 1}, ordered=False)
+    per_rank = {"seed": {f"rank{r}": torch.full((3,), float(r)) for r in range(4)},
+                "loader": {"pos": {f"rank{r}": r for r in range(4)}}}
+    _same(torch.load(tmp_path / "from_ranks.pt", weights_only=True), {**theirs, "step": 1, **per_rank}, ordered=False)
+
+
+# ---------------------------------------------------------------------------------- objects
+
+
+def _common_objects() -> dict:
+    """What trainers keep beside tensors (Megatron/fairseq args, torchtitan's BytesIO train
+    state, numpy and Python RNG states, collections), each read as data, not code."""
+    import argparse
+    import collections
+    import datetime
+    import io
+    import random
+
+    import numpy as np
+
+    rs = np.random.RandomState(3)
+    rs.randn(4)
+    return {
+        "model": {"w": torch.arange(6.0).reshape(2, 3)},
+        "train_state": io.BytesIO(b"step=7\x00"),
+        "args": argparse.Namespace(lr=0.1, layers=[1, 2], scale=torch.ones(2)),  # a tensor inside an object
+        "np": {"arr": np.arange(12, dtype=np.float32).reshape(3, 4), "objects": np.array(["a", None, 3], dtype=object),
+               "fortran": np.asfortranarray(np.arange(6).reshape(2, 3)), "dtype": np.dtype(">i4"),
+               "dates": np.array([1, 2], dtype="M8[ns]"), "scalar": np.float64(2.5)},
+        "rng": {"numpy": np.random.get_state(), "legacy": rs, "generator": np.random.default_rng(5),
+                "python": random.getstate(), "torch": torch.get_rng_state()},
+        "collections": {"od": collections.OrderedDict(b=1, a=2), "dd": collections.defaultdict(list, a=[1]),
+                        "dq": collections.deque([1, 2], maxlen=5), "cnt": collections.Counter("aab")},
+        "torch_values": {"size": torch.Size([2, 3]), "device": torch.device("cpu")},
+        "when": datetime.datetime(2024, 5, 1, tzinfo=datetime.timezone.utc),
+    }
+
+
+def _same_objects(got: Any, want: Any) -> None:
+    """``reshard.values.difference`` (type and value), plus what it cannot see: a BytesIO's
+    contents, an RNG's state, a Namespace's tensor."""
+    from reshard.values import difference
+
+    def plain(v: Any) -> Any:
+        if hasattr(v, "getvalue"):
+            return ("BytesIO", v.getvalue(), v.tell())
+        if hasattr(v, "get_state"):
+            return ("RandomState", v.get_state())
+        if hasattr(v, "bit_generator"):
+            return ("Generator", v.bit_generator.state)
+        return v
+
+    from reshard.object_walk import replace_in
+
+    why = difference(replace_in(got, plain), replace_in(want, plain))
+    assert why is None, why
+
+
+def test_common_objects_round_trip_torch_dcp_torch(tmp_path: Path) -> None:
+    value = _common_objects()
+    torch.save(value, tmp_path / "in.pt")
+    cat = TorchSaveFormat().read(tmp_path / "in.pt")
+    assert list(cat.tensors) == ["model.w", "rng.torch"]  # the Namespace's tensor stays in its object
+    _same_objects(cat.objects["args"], value["args"])
+    reshard.convert(tmp_path / "in.pt", tmp_path / "dcp", quiet=True)
+    reshard.convert(tmp_path / "dcp", tmp_path / "out.pt", quiet=True)
+    back = torch.load(tmp_path / "out.pt", weights_only=False)  # our own output; numpy needs the full unpickler
+    _same_objects(_sorted(back), _sorted(value))  # DCP stores a section's tensors before its objects
+    assert back["rng"]["generator"].random() == value["rng"]["generator"].random()  # the stream goes on
+
+
+def test_objects_nobody_allowed_fail_only_when_asked_for(tmp_path: Path) -> None:
+    """A tensor-only conversion never reads the data loader's state; inspect and a full
+    conversion still refuse it, naming the file and the class, and nothing runs."""
+    import collections
+
+    from tests.test_cli import assert_one_line_error, reshard as run_cli
+    from tests.test_hostile import _Popen
+
+    marker = tmp_path / "pwned"
+    model = {"embed.weight": torch.randn(4, 3), "head.weight": torch.randn(2, 3)}
+    hook = _Reduce(collections.deque, ([torch.ones(5), _Popen(marker)],))  # a tensor inside a refused object
+    torch.save({"model": model, "optim": {"state": {}, "param_groups": [{"lr": 0.1}]}, "extra": {"loader": hook}},
+               tmp_path / "ckpt.pt")
+    cat = reshard.inspect(tmp_path / "ckpt.pt")
+    assert set(cat.tensors) == {"model.embed.weight", "model.head.weight"}  # the deque's tensor is not one
+    with pytest.raises(UnsafeCheckpointError, match=r"ckpt\.pt: 'extra\.loader' refers to subprocess\.Popen, which is not on"):
+        cat.objects["extra.loader"]
+    reshard.convert(tmp_path / "ckpt.pt", tmp_path / "model.pt", only="model", quiet=True)
+    _same(torch.load(tmp_path / "model.pt", weights_only=True), model)
+    with pytest.raises(UnsafeCheckpointError, match="subprocess.Popen"):
+        reshard.convert(tmp_path / "ckpt.pt", tmp_path / "all.pt", quiet=True)
+    assert_one_line_error(run_cli("inspect", tmp_path / "ckpt.pt"), "ckpt.pt: 'extra.loader' refers to subprocess.Popen")
+    assert not marker.exists() and not (tmp_path / "all.pt").exists()
+
+
+class _Reduce:
+    def __init__(self, func: Any, args: tuple) -> None:
+        self.func, self.args = func, args
+
+    def __reduce__(self):
+        return (self.func, self.args)
+
+
+def _unimportable_module() -> Any:
+    """A module that exists only while a test pickles with it: reading it back must not import."""
+    import types
+
+    module = types.ModuleType("no_such_pkg.conf")
+
+    class Config:
+        def __init__(self, lr: float, t: torch.Tensor) -> None:
+            self.lr, self.t = lr, t
+
+    Config.__module__, Config.__qualname__ = module.__name__, "Config"
+    module.Config = Config
+    return module
+
+
+def test_allowed_classes_round_trip_under_their_own_names(tmp_path: Path) -> None:
+    import sys
+
+    from reshard.formats.torch_zip import load_object_blob
+    from reshard.formats.torch_zip_write import torch_save_bytes
+    from reshard.inert import Inert
+    from reshard.safe_pickle import allow_classes
+
+    module = _unimportable_module()
+    present = {"no_such_pkg": type(sys)("no_such_pkg"), "no_such_pkg.conf": module}
+    sys.modules.update(present)
+    try:
+        value = {"model": {"w": torch.ones(2)}, "extra": {"cfg": module.Config(0.1, torch.arange(3)), "cls": module.Config}}
+        torch.save(value, tmp_path / "in.pt")
+    finally:
+        for name in present:
+            del sys.modules[name]
+    with pytest.raises(UnsafeCheckpointError, match=r"pass --allow-class no_such_pkg\.conf\.Config .*never run"):
+        reshard.inspect(tmp_path / "in.pt").objects["extra.cfg"]
+    with allow_classes(["no_such_pkg.conf.Config"]):
+        cat = reshard.inspect(tmp_path / "in.pt")
+        cfg = cat.objects["extra.cfg"]
+        assert isinstance(cfg, Inert) and cfg.state["lr"] == 0.1 and torch.equal(cfg.state["t"], torch.arange(3))
+        reshard.convert(tmp_path / "in.pt", tmp_path / "out.pt", quiet=True)
+        blob = torch_save_bytes(cfg)  # a DCP byte object, as the DCP writer stores objects
+        (tmp_path / "blob").write_bytes(blob)
+        assert load_object_blob(tmp_path / "blob", 0, len(blob), lambda r: r.read_all()) == cfg
+    assert "no_such_pkg" not in sys.modules  # never imported
+    sys.modules.update(present)  # where the input loads, the output loads
+    try:
+        out = torch.load(tmp_path / "out.pt", weights_only=False)
+        obj = torch.load(tmp_path / "blob", weights_only=False)
+    finally:
+        for name in present:
+            del sys.modules[name]
+    assert type(out["extra"]["cfg"]) is module.Config and out["extra"]["cls"] is module.Config
+    assert out["extra"]["cfg"].lr == 0.1 and torch.equal(out["extra"]["cfg"].t, torch.arange(3))
+    assert type(obj) is module.Config and torch.equal(obj.t, torch.arange(3))
+
+
+# ---------------------------------------------------------------------------------- verl
+
+
+def test_reads_verl_checkpoint_folders_exactly(saved, tmp_path: Path) -> None:
+    """verl's three sets of rank files are one catalog: model., optim., extra. sections, the
+    verl layout recorded; a full file, a DCP round trip and the model alone are exact."""
+    from reshard.conventions import OPTIM_STATE, PER_RANK, detect_layout
+
+    root, ref = saved
+    folder = root / "verl"
+    cat = reshard.inspect(folder)
+    assert cat.format == "torch-ranks" and cat.attrs["layout"] == "verl" and cat.attrs["source_world_size"] == 4
+    for name, want in ref.items():
+        if name.startswith("verl."):
+            _same(full_tensor(cat.tensors[name[5:]]), want, name)
+    assert cat.paths["optim.state.0.exp_avg"] == ("optim", "state", 0, "exp_avg")
+    layout = detect_layout(cat)
+    assert layout.name == "verl" and layout.role("optim.state.0.exp_avg") == OPTIM_STATE
+    assert layout.role("extra.rng.numpy.rank2") == PER_RANK
+    out = tmp_path / "full.pt"
+    reshard.convert(folder, out, quiet=True)
+    full = torch.load(out, weights_only=False)  # numpy RNG states inside: our own output
+    for r in range(4):
+        extra = torch.load(folder / f"extra_state_world_size_4_rank_{r}.pt", weights_only=False)
+        _same_objects(full["extra"]["rng"]["numpy"][f"rank{r}"], extra["rng"]["numpy"])
+        _same_objects(full["extra"]["lr_scheduler"], extra["lr_scheduler"])
+        optim = torch.load(folder / f"optim_world_size_4_rank_{r}.pt", weights_only=False)
+        assert full["optim"]["param_groups"] == optim["param_groups"]
+    assert torch.equal(full["optim"]["state"][1]["exp_avg"], ref["verl.optim.state.1.exp_avg"])
+    model = TinyNet()
+    model.load_state_dict(full["model"])
+    reshard.convert(folder, tmp_path / "dcp", quiet=True)
+    reshard.convert(tmp_path / "dcp", tmp_path / "again.pt", quiet=True)
+    _same_objects(_sorted(torch.load(tmp_path / "again.pt", weights_only=False)), _sorted(full))  # DCP orders tensors first
+    reshard.convert(folder, tmp_path / "model.pt", only="model", quiet=True)
+    assert list(torch.load(tmp_path / "model.pt", weights_only=True)) == list(model.state_dict())
+
+
+def _sorted(value: Any) -> Any:
+    if type(value) is dict:
+        return {k: _sorted(value[k]) for k in sorted(value, key=str)}
+    return value

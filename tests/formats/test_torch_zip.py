@@ -77,3 +77,30 @@ def test_zip64_record_past_4gib(tmp_path: Path) -> None:
         pytest.skip(f"cannot map a sparse 4 GiB file here: {e}")
     assert out["big"].shape == (n,) and int(out["big"][-1]) == 7 and int(out["big"][0]) == 0
     assert read_torch_zip(path)["big"].shape == (n,)
+
+
+def test_objects_keep_their_types_when_tensors_inside_are_read_or_stored(tmp_path: Path) -> None:
+    """Tensors inside a defaultdict, a deque, a Namespace or a numpy object array are read from
+    the file (``materialize``) and stored again (``torch_save_bytes``, for DCP byte objects)
+    without the containers losing their type, factory or maxlen."""
+    import argparse
+    import collections
+
+    import numpy as np
+
+    from reshard.formats.torch_zip import load_object_blob, materialize
+    from reshard.formats.torch_zip_write import torch_save_bytes
+    from reshard.values import difference
+
+    cells = np.empty(2, dtype=object)
+    cells[0], cells[1] = torch.ones(2), "x"
+    value = {"dd": collections.defaultdict(list, a=[torch.arange(3)]), "dq": collections.deque([torch.zeros(2)], maxlen=4),
+             "ns": argparse.Namespace(t=torch.full((2,), 7.0)), "cells": cells, "cnt": collections.Counter(a=2)}
+    torch.save(value, tmp_path / "o.pt")
+    read = materialize(read_torch_zip(tmp_path / "o.pt"), lambda r: r.read_all())
+    assert difference(read, value) is None
+    assert read["dd"].default_factory is list and read["dq"].maxlen == 4
+    blob = torch_save_bytes(read)
+    (tmp_path / "blob").write_bytes(blob)
+    assert difference(torch.load(tmp_path / "blob", weights_only=False), value) is None
+    assert difference(load_object_blob(tmp_path / "blob", 0, len(blob), lambda r: r.read_all()), value) is None

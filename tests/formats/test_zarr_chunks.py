@@ -102,5 +102,30 @@ def test_compression_without_numcodecs_says_what_to_install(monkeypatch: pytest.
     from reshard.formats.zarr_chunks import compress
 
     monkeypatch.setitem(sys.modules, "numcodecs", None)  # as if zarr-python were not installed
-    with pytest.raises(UsageError, match=r"reshard\[zarr\]"):
+    with pytest.raises(UsageError, match=r"pip install numcodecs"):
         compress(b"abc")
+
+
+def test_compressed_chunks_fit_the_memory_budget(tmp_path: Path) -> None:
+    """A compressed chunk is compressed and decoded whole: written under --max-memory 1MiB,
+    every chunk (shards of --to-mesh too) holds at most 256 KiB, and zarr-python reads the
+    store; a foreign store whose compressed chunks pass half the budget is refused with the
+    budget it needs."""
+    w = torch.arange(600 * 1000, dtype=torch.float32).reshape(600, 1000)  # 2.4 MB
+    torch.save({"w": w, "b": torch.arange(7)}, tmp_path / "src.pt")
+    for mesh in (None, "2"):
+        store = tmp_path / f"z{mesh}.zarr"
+        result = reshard.convert(tmp_path / "src.pt", store, compress=True, mesh=mesh, max_memory="1MiB", quiet=True)
+        meta = json.loads((store / "w" / "zarr.json").read_text())
+        chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
+        assert np.prod(chunk) * 4 <= 256 * 1024 and 300 % chunk[0] == 0, chunk  # shards are whole chunks
+        assert any("smaller than their shards" in n for n in result.notices) == (mesh is not None)
+        np.testing.assert_array_equal(zarr.open_group(store, mode="r")["w"][...], w.numpy())
+
+    big = zarr.open_group(tmp_path / "big.zarr", mode="w").create_array("w", shape=(600, 1000), chunks=(600, 1000),
+                                                                        dtype="float32")
+    big[...] = w.numpy()  # one 2.4 MB chunk, zstd
+    with pytest.raises(reshard.ReshardError, match=r"decoded whole; that needs --max-memory 5MiB"):
+        reshard.convert(tmp_path / "big.zarr", tmp_path / "out.pt", max_memory="2MiB", quiet=True)
+    reshard.convert(tmp_path / "big.zarr", tmp_path / "out.pt", max_memory="5MiB", quiet=True)
+    assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], w)

@@ -1,0 +1,108 @@
+"""accelerate's ``save_state`` folders with FSDP ``SHARDED_STATE_DICT``, read as one checkpoint.
+
+``Accelerator.save_state(dir)`` under FSDP with sharded state dicts writes (accelerate 1.x,
+``utils/fsdp_utils.py`` and ``checkpointing.py``):
+
+| entry                        | holds                                                        | section           |
+| ---------------------------- | ------------------------------------------------------------ | ----------------- |
+| ``pytorch_model_fsdp_0/``    | a DCP folder of ``{"model": model.state_dict()}``            | ``model.``        |
+| ``optimizer_0/``             | a DCP folder of ``{"optimizer": FSDP.optim_state_dict(...)}`` | ``optimizer.``    |
+| ``scheduler.bin``            | ``torch.save(scheduler.state_dict())``                       | ``scheduler.``    |
+| ``sampler.bin``, ``*.bin``   | other registered objects, one torch.save file each           | the file's stem   |
+| ``random_states_{r}.pkl``    | rank ``r``'s RNG states (a torch.save zip despite the name)  | per rank          |
+
+The two DCP folders already name their tensors under ``model.`` and ``optimizer.`` (the
+optimizer state keyed by parameter FQN, ``param_groups`` listing FQNs), so they merge without
+renaming, and the catalog records ``attrs["layout"] = "accelerate"``. A folder with a second
+model (``pytorch_model_fsdp_1/``) would put two models under one name: refused, naming the
+folder to convert on its own. Each part is read by its own format's reader, with its checks.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
+from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
+from reshard.structure import CONTAINERS_ATTR
+
+__all__ = ["AccelerateFormat", "MODEL_DIR", "OPTIMIZER_DIR"]
+
+MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+_NUMBERED = re.compile(r"(pytorch_model_fsdp|optimizer)_(\d+)")
+_PART_FILE = re.compile(r"[A-Za-z_][\w-]*\.(bin|pkl)")
+
+
+def _dcp_parts(path: Path) -> dict[str, Path]:
+    """section -> DCP folder of an accelerate save_state folder."""
+    numbered = sorted(p.name for p in path.iterdir() if p.is_dir() and _NUMBERED.fullmatch(p.name))
+    extra = [n for n in numbered if n not in (MODEL_DIR, OPTIMIZER_DIR)]
+    if extra:
+        raise UnsupportedFormatError(
+            f"{path}: an accelerate folder of several models or optimizers ({', '.join(numbered)}); their names "
+            f"collide in one checkpoint: convert each folder on its own, e.g. reshard convert {path / extra[0]}")
+    parts = {"model": path / MODEL_DIR, "optimizer": path / OPTIMIZER_DIR}
+    return {section: p for section, p in parts.items() if p.is_dir()}
+
+
+class AccelerateFormat:
+    name = "accelerate"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and not (path / ".metadata").exists() and (path / MODEL_DIR / ".metadata").is_file()
+
+    def read(self, path: Path) -> Catalog:
+        from reshard.formats.dcp import DCPFormat
+        from reshard.formats.torch_save import TorchSaveFormat
+
+        path = Path(path)
+        catalog = Catalog(format=self.name, path=path, objects=ObjectTable(), attrs={"layout": "accelerate"})
+        containers: dict[tuple, str] = {}
+        for section, folder in _dcp_parts(path).items():
+            part = DCPFormat().read(folder)
+            stray = next((n for n in [*part.tensors, *part.objects] if not n.startswith(section + ".")), None)
+            if stray is not None:
+                raise CorruptCheckpointError(f"{folder}: {stray!r} is outside the {section!r} section accelerate saves")
+            _merge(catalog, part, containers)
+            catalog.attrs.setdefault("source_world_size", part.attrs.get("source_world_size"))
+        for file in sorted(p for p in path.iterdir() if p.is_file() and _PART_FILE.fullmatch(p.name)):
+            section = file.name.rsplit(".", 1)[0]
+            _merge(catalog, _prefixed(TorchSaveFormat().read(file), section), containers)
+        if containers:
+            catalog.attrs[CONTAINERS_ATTR] = containers
+        if catalog.attrs.get("source_world_size") is None:
+            catalog.attrs.pop("source_world_size", None)
+        return catalog
+
+    def writer(self, dst: Path, **options: Any) -> Any:
+        raise UsageError("accelerate folders are read only: write --to dcp (reshard.load_model resumes from it) "
+                         "or --to hf")
+
+
+def _prefixed(part: Catalog, section: str) -> Catalog:
+    """``part``'s names under ``section.`` (a file's stem), its nesting one level deeper."""
+    out = Catalog(format=part.format, path=part.path, objects=ObjectTable())
+    for name, entry in part.tensors.items():
+        out.tensors[f"{section}.{name}"] = TensorEntry(f"{section}.{name}", entry.shape, entry.dtype, entry.chunks)
+    for name in part.objects:
+        out.objects.set_lazy(f"{section}.{name}", object_loader(part.objects, name))  # type: ignore[attr-defined]
+    out.paths = {f"{section}.{n}": (section, *part.nested_path(n)) for n in [*part.tensors, *part.objects]}
+    out.attrs[CONTAINERS_ATTR] = {(section, *p): kind for p, kind in (part.attrs.get(CONTAINERS_ATTR) or {}).items()}
+    out.notices = [f"{section}: {n}" for n in part.notices]
+    return out
+
+
+def _merge(catalog: Catalog, part: Catalog, containers: dict[tuple, str]) -> None:
+    for name, entry in part.tensors.items():
+        if name in catalog.tensors or name in catalog.objects:
+            raise CorruptCheckpointError(f"{part.path}: {name!r} is also in another part of {catalog.path}")
+        catalog.tensors[name] = entry
+    for name in part.objects:
+        if name in catalog.tensors or name in catalog.objects:
+            raise CorruptCheckpointError(f"{part.path}: {name!r} is also in another part of {catalog.path}")
+        catalog.objects.set_lazy(name, object_loader(part.objects, name))  # type: ignore[attr-defined]
+    catalog.paths.update({n: part.nested_path(n) for n in [*part.tensors, *part.objects] if n in part.paths})
+    containers.update(part.attrs.get(CONTAINERS_ATTR) or {})
+    catalog.notices += part.notices

@@ -1,0 +1,98 @@
+"""Layout conventions: every tool's names detected as that tool's, and each name's role."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from reshard.catalog import Catalog, TensorEntry
+from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, PER_RANK, detect_layout, rename_path
+from reshard.errors import UsageError
+
+
+def _catalog(tensors: list[str], objects: list[str] = (), nested: bool = False, **attrs) -> Catalog:
+    cat = Catalog("dcp", Path("ckpt"), attrs=dict(attrs))
+    cat.tensors = {n: TensorEntry(n, (2,), torch.float32) for n in tensors}
+    cat.objects = {n: 0 for n in objects}
+    if nested:  # sections as the first step of the nested path, as dcp.save records them
+        cat.paths = {n: tuple(n.split(".", 1)) for n in [*tensors, *objects]}
+    return cat
+
+
+CASES = {
+    "torchtitan": (
+        ["model.layers.0.w", "optimizer.state.layers.0.w.exp_avg", "optimizer.state.layers.0.w.step"],
+        ["optimizer.param_groups.layers.0.w.lr", "lr_scheduler.last_epoch", "train_state.step",
+         "dataloader.dp_rank_0"], False),
+    "torchtitan-flat": (
+        ["layers.0.w", "tok.weight", "optimizer.state.layers.0.w.exp_avg"],
+        ["optimizer.param_groups.layers.0.w.lr", "lr_scheduler.last_epoch", "train_state.step"], False),
+    "reshard": (
+        ["model.layers.0.w", "optim.state.layers.0.w.exp_avg", "extra.scale"],
+        ["optim.param_groups.0.lr", "optim.param_groups.0.params", "train.step"], True),
+    "torch-optimizer": (  # get_state_dict saved as {"model", "optimizer"}; accelerate's FSDP folders
+        ["model.layers.0.w", "optimizer.state.layers.0.w.exp_avg"],
+        ["optimizer.param_groups.0.lr", "optimizer.param_groups.0.params"], True),
+    "torch-optimizer-only": (["state.layers.0.w.exp_avg"], ["param_groups.layers.0.w.lr"], False),
+    "model": (["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"], [], False),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_tool_is_detected(name: str) -> None:
+    tensors, objects, nested = CASES[name]
+    layout = detect_layout(_catalog(tensors, objects, nested))
+    assert layout.name == name
+    roles = {n: layout.role(n) for n in [*tensors, *objects]}
+    if name == "model":  # HF names start with model. too: the whole name is the FQN
+        assert all(r == PARAM for r in roles.values())
+        assert layout.place("model.embed_tokens.weight").fqn == "model.embed_tokens.weight"
+        return
+    state = next(n for n in tensors if ".state." in f".{n}")
+    assert roles[state] == OPTIM_STATE and layout.place(state).fqn == "layers.0.w"
+    assert layout.param_fqn(state) == "layers.0.w"
+    group = next(n for n in objects if "param_groups" in n)
+    assert roles[group] == OPTIM_GROUP and layout.place(group).key == "lr"
+
+
+def test_roles_and_overrides() -> None:
+    titan = detect_layout(_catalog(*CASES["torchtitan"]))
+    assert titan.groups == "fqn" and titan.place("optimizer.param_groups.layers.0.w.lr").fqn == "layers.0.w"
+    assert titan.role("dataloader.dp_rank_0") == PER_RANK and titan.role("train_state.step") == OTHER
+    assert titan.role("lr_scheduler.last_epoch") == OTHER
+    ours = detect_layout(_catalog(*CASES["reshard"]))
+    assert ours.groups == "index" and ours.place("optim.param_groups.0.lr").group == 0
+    assert ours.role("extra.scale") == OTHER and ours.param_fqn("extra.scale") is None
+    assert ours.in_section("optim.state.layers.0.w.exp_avg", "optim") and not ours.in_section("model.layers.0.w", "optim")
+    # A plain optimizer's state keyed by int ids is optimizer state too (no FQN to link it by).
+    plain = detect_layout(_catalog(["model.a.w", "optimizer.state.0.exp_avg"], ["optimizer.param_groups.0.params"], True))
+    assert plain.name == "torch-optimizer" and plain.role("optimizer.state.0.exp_avg") == OPTIM_STATE
+    # The reader's record, then the user's override, win over detection.
+    verl = _catalog(*CASES["reshard"], layout="verl")
+    assert detect_layout(verl).name == "verl"
+    assert detect_layout(verl, "model").name == "model"
+    with pytest.raises(UsageError, match="--layout 'nope' is not one of"):
+        detect_layout(verl, "nope")
+
+
+def test_casting_rule() -> None:
+    layout = detect_layout(_catalog(*CASES["reshard"]))
+    shapes = {"layers.0.w": (2,)}
+    assert layout.casts("model.layers.0.w", (2,), shapes)
+    assert layout.casts("optim.state.layers.0.w.exp_avg", (2,), shapes)
+    assert not layout.casts("optim.state.layers.0.w.step", (), shapes)
+    assert not layout.casts("extra.scale", (2,), shapes)
+
+
+def test_rename_path_keeps_the_text_around_the_fqn() -> None:
+    titan = detect_layout(_catalog(*CASES["torchtitan"]))
+    name = "optimizer.state.layers.0.w.exp_avg"
+    place = titan.place(name)
+    assert rename_path(("optimizer", "state.layers.0.w.exp_avg"), name, place, "model.q") == (
+        "optimizer", "state.model.q.exp_avg")
+    assert rename_path(("optimizer", "state", "layers.0.w", "exp_avg"), name, place, "model.q") == (
+        "optimizer", "state", "model.q", "exp_avg")
+    assert rename_path(("model", "layers", "0", "w"), "model.layers.0.w", titan.place("model.layers.0.w"), "a.b") == (
+        "model", "a.b")
