@@ -21,6 +21,8 @@ from reshard.errors import CorruptCheckpointError
 
 __all__ = ["StoredRegion", "read_exact", "c_strides", "as_region"]
 
+_MIN_SPAN = 1 << 16  # a strided read may always span this much: fewer, larger reads of small boxes
+
 
 def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, acc = [], 1
@@ -92,21 +94,33 @@ class StoredRegion:
         if direct is not None:
             return self._tensor(read_exact(fd, direct[1], direct[0], self.path), box.sizes)
         strides = self.strides or c_strides(self.shape)
+        return self._read_strided(fd, box, strides, max(2 * box.numel * item, _MIN_SPAN))
+
+    def _read_strided(self, fd: int, box: Box, strides: tuple[int, ...], allowed: int) -> torch.Tensor:
+        """``box`` of a region it does not lie in as one run (a column block, a strided view).
+
+        A span of the file that holds the box and at most ``allowed`` bytes is read in one go
+        and viewed with the box's strides (the caller copies it out). A box whose span is
+        larger is read in blocks along its first dimension of more than one index, each block
+        spanning at most ``allowed``: a column shard of a row-major tensor is then a few reads
+        of whole row bands, not one read per row, and memory stays within twice the box."""
+        item = self.dtype.itemsize
         first = sum(o * s for o, s in zip(box.offsets, strides))
         last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides))
         span = (last - first + 1) * item
-        if span <= 2 * box.numel * item:
-            # A strided view of the span; the caller copies it out, so no second copy here.
+        if span <= allowed:
             raw = self._tensor(read_exact(fd, span, self.offset + first * item, self.path), (last - first + 1,))
             return raw.as_strided(box.sizes, strides)
-        # A sparse selection of a large region: one index at a time along the first dimension
-        # that has more than one (a non-contiguous box always has one).
-        d = next(i for i, n in enumerate(box.sizes) if n > 1)
+        d = next(i for i, n in enumerate(box.sizes) if n > 1)  # a box spanning more than one run has one
+        pitch = strides[d] * item  # bytes from one index along d to the next
+        one = span - (box.sizes[d] - 1) * pitch  # the span of a block of one index (dims before d are 1)
+        step = max(1, min(box.sizes[d] - 1, (allowed - one) // pitch + 1)) if allowed > one else 1
         out = torch.empty(box.sizes, dtype=self.dtype)
-        for i in range(box.sizes[d]):
-            offs = box.offsets[:d] + (box.offsets[d] + i,) + box.offsets[d + 1 :]
-            sub = Box(offs, box.sizes[:d] + (1,) + box.sizes[d + 1 :])
-            out.narrow(d, i, 1).copy_(self.read_from(fd, sub))
+        for i in range(0, box.sizes[d], step):
+            n = min(step, box.sizes[d] - i)
+            offs = box.offsets[:d] + (box.offsets[d] + i,) + box.offsets[d + 1:]
+            sub = Box(offs, box.sizes[:d] + (n,) + box.sizes[d + 1:])
+            out.narrow(d, i, n).copy_(self._read_strided(fd, sub, strides, allowed))
         return out
 
     def _tensor(self, buf: bytearray, sizes: tuple[int, ...]) -> torch.Tensor:
