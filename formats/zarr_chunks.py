@@ -192,7 +192,7 @@ class EncodedChunk:
         if last is not None and last[0] is self:
             chunk = last[1]
         else:
-            _last_decoded.entry = None
+            _last_decoded.entry = last = None  # the previous chunk goes before the next is decoded
             chunk = self.codecs.decode(self._fetch(), self.chunk_shape, self.key)
             _last_decoded.entry = (self, chunk)
         return chunk[box.as_slices()].clone()

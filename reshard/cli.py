@@ -444,10 +444,26 @@ def main(argv: list[str] | None = None) -> int:
             _allowed_by_options.pop().close()
 
 
+def _return_large_blocks_to_the_system() -> None:
+    """glibc serves blocks under its adaptive mmap threshold (up to 32 MiB) from the heap and
+    keeps them after ``free``: decoded zarr chunks and read slabs of a few MiB each then pile
+    up as resident memory the budget never counted. A fixed 4 MiB threshold hands them back
+    on ``free``; measured on a zstd zarr -> safetensors run at --max-memory 160MiB, peak RSS
+    fell from 465 to 307 MiB. Only the console script does this: a library must not change
+    its host process's allocator."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
 def entry() -> None:
     """The console script. Every output is complete, renamed into place and closed when
     ``main`` returns, so the process leaves at once: tearing down an interpreter with torch
     loaded takes a noticeable fraction of a small conversion's time."""
+    _return_large_blocks_to_the_system()
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

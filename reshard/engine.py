@@ -146,6 +146,9 @@ def _create(path: Path, f: FileLayout) -> None:
         os.close(fd)
 
 
+_DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs are cut from
+
+
 class Engine:
     def __init__(self, max_memory: int, *, workers: int | None = None, progress: bool = True,
                  desc: str = "writing", fsync: bool = False) -> None:
@@ -155,26 +158,30 @@ class Engine:
         self.show_progress = progress
         self.desc = desc
         self._stop = threading.Event()
+        self._active_workers, self._slab_memory = self.workers, max_memory
 
-    def _workers_for(self, plan: Plan) -> int:
-        """Fewer workers where source chunks must be decoded whole (compressed zarr): each
-        worker holds one such chunk, on top of its slabs. One chunk alone past half the budget
-        is refused, naming what to do."""
+    def _workers_for(self, plan: Plan) -> tuple[int, int]:
+        """(workers, memory for their slabs). Where source chunks must be decoded whole
+        (compressed zarr), each worker may hold one: its compressed bytes, the decoded chunk
+        and the copy it is cut from, ``_DECODE_COPIES`` times the chunk, set aside from the
+        budget before slabs are sized. A chunk that leaves its worker less than that
+        (``_DECODE_COPIES + 1`` chunks in all) is refused, naming the budget it needs."""
         whole = max((getattr(s.chunk.data, "decoded_bytes", 0) for srcs in plan.sources.values() for s in srcs), default=0)
         if not whole:
-            return self.workers
-        if 2 * whole > self.max_memory:
-            need = -(-2 * whole // (1 << 20))  # MiB, rounded up: a value --max-memory takes as is
+            return self.workers, self.max_memory
+        need = (_DECODE_COPIES + 1) * whole
+        if need > self.max_memory:
             raise UsageError(f"the source has compressed chunks of {format_size(whole)}, each decoded whole; that needs "
-                             f"--max-memory {need}MiB or more (it is {format_size(self.max_memory)})")
-        return max(1, min(self.workers, self.max_memory // (2 * whole)))
+                             f"--max-memory {-(-need // (1 << 20))}MiB or more (it is {format_size(self.max_memory)})")
+        workers = max(1, min(self.workers, self.max_memory // need))
+        return workers, self.max_memory - workers * _DECODE_COPIES * whole
 
     def _slab_bytes(self, piece: Piece, sources: list[Source]) -> int:
         src_item = max(((r.dtype.itemsize if (r := as_region(s.chunk.data)) is not None else 8) for s in sources),
                        default=8)
         item = piece.dtype.itemsize
         # Per slab a worker holds the slab, plus source reads of up to twice its element count.
-        elems = self.max_memory // (self.workers * (item + 2 * src_item))
+        elems = self._slab_memory // (self._active_workers * (item + 2 * src_item))
         return max(item, elems * item)
 
     def _kernel_plan(self, piece: Piece, sources: list[Source]) -> list[tuple[StoredRegion, int, int, int]] | None:
@@ -228,7 +235,8 @@ class Engine:
         ``digests``: also hash every file of a directory output for the manifest, each as soon
         as its last piece is written, while it is in the page cache and while later files are
         still being copied (the pieces then go file by file instead of biggest first)."""
-        workers = self._workers_for(plan)
+        workers, self._slab_memory = self._workers_for(plan)
+        self._active_workers = workers
         stats, fds, outs = EngineStats(), FdPool(os.O_RDONLY), FdPool(os.O_WRONLY)
         paths = {f.relpath: root / f.relpath if output_is_dir else root for f in plan.files}
         digests = digests and output_is_dir
