@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from reshard.boxes import Box
@@ -113,15 +114,20 @@ class _LazyChunk:
         return self.resolve().read(box)
 
 
-def _lazy_entry(root: Path, name: str, shape: tuple[int, ...], dtype: torch.dtype, table: ChunkTable) -> TensorEntry:
+def _lazy_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, table: ChunkTable,
+                file_paths: list[Path]) -> TensorEntry:
+    """``file_paths``: the folder's data files as paths, made once for all tensors (a path per
+    chunk cost more than the rest of planning)."""
     rows = table.nonempty()
 
-    def make(i: int) -> ChunkData:
+    def make(i: int, box: Box) -> ChunkData:
         k = int(rows[i])
-        rec = table.record(k)
-        return _LazyChunk(root / rec.relpath, name, rec, table.box(k), dtype)
+        return _LazyChunk(file_paths[table.file[k]], name, table.record(k), box, dtype)
 
-    return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make)
+    def paths() -> set[Path]:
+        return {file_paths[f] for f in np.unique(table.file[rows]).tolist()}
+
+    return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make, paths)
 
 
 def _fast_path(root: Path, index: DCPIndex, records: RecordColumns) -> bool:
@@ -157,8 +163,9 @@ class DCPFormat:
         records = RecordColumns(index)
         if _fast_path(path, index, records):
             records.check(path)
+            file_paths = [path / f for f in index.files]
             for name, (shape, dtype, _) in index.tensors.items():
-                catalog.tensors[name] = _lazy_entry(path, name, shape, dtype, index.table(name))
+                catalog.tensors[name] = _lazy_entry(name, shape, dtype, index.table(name), file_paths)
             catalog.objects = ObjectTable({name: _lazy_object(path, name, rec) for name, rec in index.objects.items()})
             return catalog
         placed = place_records(path, _items(index))

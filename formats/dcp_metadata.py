@@ -12,8 +12,11 @@ A folder saved with ``use_collectives=False`` has no ``.metadata`` but one
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +48,12 @@ class _Record:
         for name in self.__slots__:
             object.__setattr__(self, name, _as_dict(self, state).get(name))
 
+    def __getattr__(self, name: str) -> Any:
+        """A field the pickle never set (no BUILD): absent, as a missing key of its state is."""
+        if name in type(self).__slots__:
+            return None
+        raise AttributeError(name)
+
 
 def _as_dict(obj: _Record, state: Any) -> dict:
     if type(state) is dict:
@@ -71,8 +80,11 @@ class ChunkStorageMetadata(_Record):
     __slots__ = ("offsets", "sizes")
 
     def __setstate__(self, state: Any) -> None:  # one per chunk: written out for speed
-        state = state if type(state) is dict else _as_dict(self, state)
-        self.offsets, self.sizes = state.get("offsets"), state.get("sizes")
+        try:
+            self.offsets, self.sizes = state["offsets"], state["sizes"]
+        except (KeyError, TypeError):  # not torch's usual dict: the general path
+            state = _as_dict(self, state)
+            self.offsets, self.sizes = state.get("offsets"), state.get("sizes")
 
 
 class StorageMeta(_Record):
@@ -84,17 +96,24 @@ class MetadataIndex(_Record):
     __hash__ = object.__hash__  # frozen in torch: storage_data's keys
 
     def __setstate__(self, state: Any) -> None:
-        state = state if type(state) is dict else _as_dict(self, state)
-        self.fqn, self.offset, self.index = state.get("fqn"), state.get("offset"), state.get("index")
+        try:
+            self.fqn, self.offset, self.index = state["fqn"], state["offset"], state["index"]
+        except (KeyError, TypeError):
+            state = _as_dict(self, state)
+            self.fqn, self.offset, self.index = state.get("fqn"), state.get("offset"), state.get("index")
 
 
 class StorageInfo(_Record):
     __slots__ = ("relative_path", "offset", "length", "transform_descriptors")
 
     def __setstate__(self, state: Any) -> None:
-        state = state if type(state) is dict else _as_dict(self, state)
-        self.relative_path, self.offset, self.length = state.get("relative_path"), state.get("offset"), state.get("length")
-        self.transform_descriptors = state.get("transform_descriptors")
+        try:
+            self.relative_path, self.offset, self.length = state["relative_path"], state["offset"], state["length"]
+            self.transform_descriptors = state.get("transform_descriptors")  # torch >= 2.8 only
+        except (KeyError, TypeError, AttributeError):
+            state = _as_dict(self, state)
+            self.relative_path, self.offset, self.length = state.get("relative_path"), state.get("offset"), state.get("length")
+            self.transform_descriptors = state.get("transform_descriptors")
 
 
 class _TensorProperties(_Record):
@@ -252,31 +271,149 @@ class _Files:
     def __init__(self, root: Path, names: list[str]) -> None:
         self.root, self.names, self.ids = root, names, {n: i for i, n in enumerate(names)}
 
-    def id(self, rel: Any, where: str) -> int:
-        found = self.ids.get(rel) if isinstance(rel, str) else None
-        if found is not None:
-            return found
-        if not isinstance(rel, str) or not rel or rel.startswith(("/", "\\")) or ".." in Path(rel).parts:
-            raise UnsafeCheckpointError(f"{where}: data file {rel!r} is outside the checkpoint folder")
+    def add(self, rel: str) -> str | None:
+        """Number ``rel``; what is wrong with it, if anything."""
+        if rel in self.ids:
+            return None
+        if not rel or rel.startswith(("/", "\\")) or ".." in Path(rel).parts:
+            return f"data file {rel!r} is outside the checkpoint folder"
         if not (self.root / rel).resolve().is_relative_to(self.root.resolve()):
-            raise UnsafeCheckpointError(f"{where}: data file {rel!r} resolves outside the checkpoint folder")
+            return f"data file {rel!r} resolves outside the checkpoint folder"
         self.ids[rel] = len(self.names)
         self.names.append(rel)
-        return self.ids[rel]
+        return None
 
 
-def _record(info: Any, where: str, files: _Files) -> tuple[int, int, int, tuple]:
-    """(file number, offset, length, transforms) of a storage record, validated."""
-    if type(info) is not StorageInfo:
-        raise CorruptCheckpointError(f"{where}: storage record has type {type(info).__name__}")
-    file = files.id(info.relative_path, where)
-    offset, length = info.offset, info.length
-    if type(offset) is not int or offset < 0:
-        raise CorruptCheckpointError(f"{where}: storage record offset is {offset!r}")
-    if type(length) is not int or length < 0:
-        raise CorruptCheckpointError(f"{where}: storage record length is {length!r}")
-    transforms = info.transform_descriptors
-    return file, offset, length, tuple(transforms) if transforms else ()
+def _all_of_type(records: list[Any], cls: type, where: str) -> None:
+    """Refuse any record that is not a ``cls``; checked with set(map(...)), which runs in C,
+    where a loop over millions of records would not."""
+    if set(map(type, records)) - {cls}:
+        bad = next(r for r in records if type(r) is not cls)
+        raise CorruptCheckpointError(f"{where} is a {type(bad).__name__}, not a {cls.__name__}")
+
+
+def _field(records: list[Any], name: str) -> list[Any]:
+    return list(map(attrgetter(name), records))
+
+
+def _nonnegative(values: list[Any]) -> np.ndarray | int:
+    """``values`` as int64, or the position of the first that is not an int in [0, 2**63)."""
+    if not set(map(type, values)) - {int}:
+        try:
+            arr = np.array(values, dtype=np.int64)
+        except OverflowError:
+            arr = None
+        if arr is not None and (not len(arr) or arr.min() >= 0):
+            return arr
+    return next(i for i, v in enumerate(values) if type(v) is not int or not 0 <= v < 2**63)
+
+
+class _StorageRecords:
+    """Every storage record of one ``.metadata`` as columns, grouped by name: built once from
+    ``storage_data`` with column operations, then handed out tensor by tensor."""
+
+    def __init__(self, storage: dict, meta_path: Path, files: _Files) -> None:
+        keys, infos = list(storage), list(storage.values())
+        _all_of_type(keys, MetadataIndex, f"{meta_path}: a storage key")
+        fqns = _field(keys, "fqn")
+        if set(map(type, fqns)) - {str}:
+            bad = next(f for f in fqns if type(f) is not str)
+            raise CorruptCheckpointError(f"{meta_path}: a storage key's name is {bad!r}, not a string")
+        self.meta_path, self.fqns, self.files = meta_path, fqns, files
+        self.offsets, hints = _field(keys, "offset"), _field(keys, "index")
+        _all_of_type(infos, StorageInfo, f"{meta_path}: a storage record")
+        rel = _field(infos, "relative_path")
+        if set(map(type, rel)) - {str}:
+            k = next(i for i, r in enumerate(rel) if type(r) is not str)
+            raise UnsafeCheckpointError(f"{meta_path}: {fqns[k]}: data file {rel[k]!r} is outside the checkpoint folder")
+        for r in dict.fromkeys(rel):
+            problem = files.add(r)
+            if problem:
+                raise UnsafeCheckpointError(f"{meta_path}: {fqns[rel.index(r)]}: {problem}")
+        n = len(rel)
+        self.file = np.fromiter(map(files.ids.__getitem__, rel), dtype=np.int32, count=n)
+        columns = []
+        for what in ("offset", "length"):
+            values = _field(infos, what)
+            arr = _nonnegative(values)
+            if isinstance(arr, int):
+                raise CorruptCheckpointError(f"{meta_path}: {fqns[arr]}: storage record {what} is {values[arr]!r}")
+            columns.append(arr)
+        self.start, self.length = columns
+        descriptors = _field(infos, "transform_descriptors")
+        self.transforms: dict[int, tuple] = {}
+        for k in compress(range(n), map(bool, descriptors)):
+            if not isinstance(descriptors[k], (list, tuple)):
+                raise CorruptCheckpointError(f"{meta_path}: {fqns[k]}: transform descriptors are a "
+                                             f"{type(descriptors[k]).__name__}")
+            self.transforms[k] = tuple(descriptors[k])
+        del keys, infos, descriptors
+        self.raw_hints = hints
+        if set(map(type, hints)) - {int} or not all(map((2**62).__gt__, hints)):
+            self.hints = np.fromiter((h if type(h) is int and 0 <= h < 2**62 else -1 for h in hints), dtype=np.int64, count=n)
+        else:
+            self.hints = np.array(hints, dtype=np.int64)
+        # Positions of each name's records, in storage order: one stable sort of name codes.
+        names = {name: i for i, name in enumerate(dict.fromkeys(fqns))}
+        codes = np.fromiter(map(names.__getitem__, fqns), dtype=np.int64, count=n)
+        order = np.argsort(codes, kind="stable")
+        bounds = np.searchsorted(codes[order], np.arange(len(names) + 1)).tolist()
+        self.by_name = {name: order[bounds[i]:bounds[i + 1]] for name, i in names.items()}
+
+    def record(self, k: int) -> tuple[int, int, int, tuple]:
+        """(file number, offset, length, transforms) of record ``k``."""
+        return int(self.file[k]), int(self.start[k]), int(self.length[k]), self.transforms.get(k, ())
+
+    def offsets_of(self, k: int) -> tuple[int, ...]:
+        offset = self.offsets[k]
+        return () if offset is None else _ints(offset, f"{self.meta_path}: {self.fqns[k]} storage offset")
+
+    def object_record(self, name: str) -> StorageRecord | None:
+        for k in self.by_name.get(name, np.zeros(0, dtype=np.int64)).tolist():
+            if self.offsets_of(k) in ((), (0,)):
+                f, start, length, transforms = self.record(k)
+                return StorageRecord(self.files.names[f], start, length, transforms)
+        return None
+
+    def table(self, name: str, chunks: list[Any], ndim: int, where: str) -> ChunkTable:
+        """The columns of one tensor: every chunk's box and the record of its bytes. Records
+        written by torch name their chunk (``MetadataIndex.index``) and match it one to one:
+        checked with array operations. Anything else (records found by offsets, an empty
+        chunk sharing another's record) takes the general path, ``_matched_table``."""
+        records = self.by_name.get(name, np.zeros(0, dtype=np.int64))
+        _all_of_type(chunks, ChunkStorageMetadata, f"{where}: a chunk")
+        n = len(chunks)
+        offsets = _int_array(_field(chunks, "offsets"), (n, ndim))
+        sizes = _int_array(_field(chunks, "sizes"), (n, ndim))
+        if offsets is not None and sizes is not None and len(records) == n:
+            hints = self.hints[records]
+            if not n:
+                return ChunkTable(offsets, sizes, np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int64),
+                                  np.zeros(0, dtype=np.int64), self.files.names)
+            if hints.min() >= 0 and hints.max() < n and (np.bincount(hints, minlength=n) == 1).all():
+                stored = _int_array(list(map(self.offsets.__getitem__, records.tolist())), (n, ndim))
+                if stored is not None and (offsets[hints] == stored).all():
+                    rec = np.empty(n, dtype=np.int64)
+                    rec[hints] = records
+                    transforms = ({k: self.transforms[r] for k, r in enumerate(rec.tolist()) if r in self.transforms}
+                                  if self.transforms else {})
+                    return ChunkTable(offsets, sizes, self.file[rec], self.start[rec], self.length[rec],
+                                      self.files.names, transforms)
+        recs = [(self.offsets_of(k), self.raw_hints[k], self.record(k)) for k in records.tolist()]
+        return _matched_table(chunks, recs, ndim, self.files.names, where)
+
+
+def _int_array(rows: list[Any], shape: tuple[int, int]) -> np.ndarray | None:
+    """``rows`` as an int64 array of ``shape`` if every value is an int; else None."""
+    if not rows or shape[1] == 0:
+        return np.zeros(shape, dtype=np.int64) if all(r == () for r in rows) else None
+    if set(map(type, rows)) - {tuple}:
+        return None
+    try:
+        arr = np.array(rows)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return arr.astype(np.int64, copy=False) if arr.dtype.kind == "i" and arr.shape == shape else None
 
 
 def load_dcp_index(root: Path) -> DCPIndex:
@@ -300,6 +437,19 @@ def load_dcp_index(root: Path) -> DCPIndex:
     return index
 
 
+def _unpickled(meta_path: Path) -> Any:
+    """``.metadata`` unpickled with the cyclic garbage collector paused: a 256-rank file makes
+    millions of objects, none in a reference cycle, and the collector's passes over them were
+    a third of the unpickling time."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return safe_loads(meta_path.read_bytes(), _GLOBALS, origin=meta_path)
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
     """One pickled ``Metadata`` (``.metadata`` or a rank's ``__R.metadata``), validated entry
     by entry into columns; chunks are not yet checked to tile their tensors (a rank's file
@@ -307,34 +457,25 @@ def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
     size = meta_path.stat().st_size
     if size > _MAX_METADATA_BYTES:
         raise CorruptCheckpointError(f"{meta_path}: {size} bytes is implausibly large for DCP metadata")
-    meta = safe_loads(meta_path.read_bytes(), _GLOBALS, origin=meta_path)
+    meta = _unpickled(meta_path)
     if type(meta) is not Metadata or not isinstance(meta.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{meta_path}: does not hold DCP Metadata")
     if not isinstance(meta.storage_data, dict):
         raise CorruptCheckpointError(f"{meta_path}: has no storage records (storage_data)")
     files = _Files(root, [])
-    # Each record, by name: torch writes a record's chunk position as MetadataIndex.index, so
-    # most records find their chunk without a lookup table; the offsets still have to match.
-    records: dict[str, list[tuple[tuple[int, ...], Any, tuple[int, int, int, tuple]]]] = {}
-    for key, info in meta.storage_data.items():
-        fqn, offset = key.fqn, key.offset
-        if type(key) is not MetadataIndex or not isinstance(fqn, str):
-            raise CorruptCheckpointError(f"{meta_path}: storage key {key!r} has no name")
-        offs = () if offset is None else _ints(offset, f"{meta_path}: {fqn} storage offset")
-        records.setdefault(fqn, []).append((offs, key.index, _record(info, f"{meta_path}: {fqn}", files)))
-    meta.storage_data = None  # its records are in ``records`` now; let the objects go
+    records = _StorageRecords(meta.storage_data, meta_path, files)
+    meta.storage_data = None  # its records are columns now; let the objects go
 
     tensors, objects = {}, {}
     for name, md in meta.state_dict_metadata.items():
         where = f"{meta_path}: {name!r}"
         if not isinstance(name, str):
             raise CorruptCheckpointError(f"{meta_path}: entry name {name!r} is not a string")
-        recs = records.get(name, [])
         if type(md) is BytesStorageMetadata:
-            rec = next((r for offs, _, r in recs if offs in ((), (0,))), None)
+            rec = records.object_record(name)
             if rec is None:
                 raise CorruptCheckpointError(f"{where}: object has no storage record")
-            objects[name] = StorageRecord(files.names[rec[0]], rec[1], rec[2], rec[3])
+            objects[name] = rec
             continue
         if type(md) is not TensorStorageMetadata:
             raise CorruptCheckpointError(f"{where}: unknown entry type {type(md).__name__}")
@@ -344,7 +485,7 @@ def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
             raise CorruptCheckpointError(f"{where}: invalid dtype {dtype!r} or shape {shape}")
         if not isinstance(md.chunks, (list, tuple)):
             raise CorruptCheckpointError(f"{where}: chunk list is {type(md.chunks).__name__}")
-        tensors[name] = (shape, dtype, _table(md.chunks, recs, len(shape), files.names, where))
+        tensors[name] = (shape, dtype, records.table(name, list(md.chunks), len(shape), where))
     meta.state_dict_metadata = None
 
     paths: dict[str, tuple] = {}
@@ -369,15 +510,13 @@ def _int_columns(rows: list[tuple], shape: tuple[int, int], where: str) -> np.nd
     return arr.astype(np.int64, copy=False)
 
 
-def _table(chunks: list[Any], recs: list[tuple[tuple[int, ...], Any, tuple]], ndim: int, files: list[str],
-           where: str) -> ChunkTable:
-    """The columns of one tensor: every chunk's box and the record of its bytes."""
+def _matched_table(chunks: list[ChunkStorageMetadata], recs: list[tuple[tuple[int, ...], Any, tuple]], ndim: int, files: list[str],
+                   where: str) -> ChunkTable:
+    """The columns of one tensor whose records are matched to chunks one by one: by their
+    chunk index where it is usable, else by offsets."""
     n = len(chunks)
-    if any(type(c) is not ChunkStorageMetadata for c in chunks):
-        bad = next(c for c in chunks if type(c) is not ChunkStorageMetadata)
-        raise CorruptCheckpointError(f"{where}: chunk is a {type(bad).__name__}")
-    offsets = [c.offsets if type(c.offsets) is tuple else _ints(c.offsets, f"{where} chunk offsets") for c in chunks]
-    sizes = [c.sizes if type(c.sizes) is tuple else _ints(c.sizes, f"{where} chunk sizes") for c in chunks]
+    offsets = [_ints(c.offsets, f"{where} chunk offsets") for c in chunks]
+    sizes = [_ints(c.sizes, f"{where} chunk sizes") for c in chunks]
     placed: list[Any] = [None] * n
     by_offsets: dict[tuple[int, ...], int] | None = None
     for offs, hint, rec in recs:

@@ -203,10 +203,9 @@ class RecordColumns:
 
     def first_tensor_record(self) -> dict[int, int]:
         """file -> position of its first tensor record (by offset)."""
-        out: dict[int, int] = {}
-        for k in np.flatnonzero(self.owner >= 0).tolist():
-            out.setdefault(int(self.file[k]), k)
-        return out
+        tensor_records = np.flatnonzero(self.owner >= 0)
+        files, first = np.unique(self.file[tensor_records], return_index=True)  # records are sorted by (file, start)
+        return dict(zip(files.tolist(), tensor_records[first].tolist()))
 
     def item(self, k: int) -> Item:
         owner, row = int(self.owner[k]), int(self.row[k])

@@ -69,6 +69,13 @@ class TensorEntry:
     def renamed(self, name: str) -> TensorEntry:
         return TensorEntry(name, self.shape, self.dtype, self.chunks)
 
+    def chunk(self, i: int) -> Chunk:
+        return self.chunks[i]
+
+    def source_paths(self) -> set[Path]:
+        """The files this tensor's bytes come from, for chunks that name one (``path``)."""
+        return {p for c in self.chunks if isinstance(p := getattr(c.data, "path", None), Path)}
+
 
 class IndexedTensorEntry(TensorEntry):
     """A tensor whose chunk boxes are columns (``offsets``, ``sizes``: ``[n, ndim]``) and whose
@@ -79,21 +86,34 @@ class IndexedTensorEntry(TensorEntry):
     a time, as it plans that tensor."""
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, offsets: np.ndarray, sizes: np.ndarray,
-                 make: Callable[[int], ChunkData]) -> None:
+                 make: Callable[[int, Box], ChunkData], paths: Callable[[], set[Path]] | None = None) -> None:
         self.name, self.shape, self.dtype = name, shape, dtype
-        self._offsets, self._sizes, self._make = offsets, sizes, make
-        self._chunks: list[Chunk] | None = None
+        self._offsets, self._sizes, self._make, self._paths = offsets, sizes, make, paths
+        self._built: list[Chunk | None] | None = None
+        self._complete = False
+
+    def chunk(self, i: int) -> Chunk:
+        """Chunk ``i`` alone: planning a re-layout builds the chunks each piece reads, one
+        tensor at a time, never a list of every chunk it does not need yet."""
+        if self._built is None:
+            self._built = [None] * len(self._offsets)
+        found = self._built[i]
+        if found is None:
+            box = Box(tuple(self._offsets[i].tolist()), tuple(self._sizes[i].tolist()))
+            found = self._built[i] = Chunk(box, self._make(i, box))
+        return found
 
     @property  # type: ignore[override]
     def chunks(self) -> list[Chunk]:
-        if self._chunks is None:
-            self._chunks = [Chunk(Box(tuple(o), tuple(z)), self._make(i))
-                            for i, (o, z) in enumerate(zip(self._offsets.tolist(), self._sizes.tolist()))]
-        return self._chunks
+        if not self._complete:
+            for i in range(len(self._offsets)):
+                self.chunk(i)
+            self._complete = True
+        return self._built or []  # type: ignore[return-value]
 
     @chunks.setter
     def chunks(self, value: list[Chunk]) -> None:
-        self._chunks = value
+        self._built, self._complete = list(value), True
 
     @property
     def columns(self) -> tuple[np.ndarray, np.ndarray]:
@@ -103,9 +123,12 @@ class IndexedTensorEntry(TensorEntry):
     def chunk_count(self) -> int:
         return len(self._offsets)
 
+    def source_paths(self) -> set[Path]:
+        return self._paths() if self._paths is not None else super().source_paths()
+
     def renamed(self, name: str) -> TensorEntry:
-        other = IndexedTensorEntry(name, self.shape, self.dtype, self._offsets, self._sizes, self._make)
-        other._chunks = self._chunks
+        other = IndexedTensorEntry(name, self.shape, self.dtype, self._offsets, self._sizes, self._make, self._paths)
+        other._built, other._complete = self._built, self._complete
         return other
 
     def __repr__(self) -> str:

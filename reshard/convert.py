@@ -91,9 +91,8 @@ def source_files(catalog: Catalog) -> dict[Path, tuple[int, int]]:
     Chunks name their file (``path``) without being located or read."""
     out = {}
     for t in catalog.tensors.values():
-        for c in t.chunks:
-            path = getattr(c.data, "path", None)
-            if isinstance(path, Path) and path not in out:
+        for path in t.source_paths():
+            if path not in out:
                 st = os.stat(path)
                 out[path] = (st.st_size, st.st_mtime_ns)
     return out

@@ -11,6 +11,7 @@ left by the previous one, as ``DTensor`` does by default.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -163,9 +164,31 @@ def check_fits(name: str, shape: tuple[int, ...], placements: tuple[Placement, .
             )
 
 
+@functools.lru_cache(maxsize=4096)
+def _rank_boxes(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+                ) -> tuple[tuple[Box, ...], tuple[tuple[Box, tuple[int, ...]], ...]]:
+    """(every rank's box, each distinct box with the ranks that hold it). Cached: a model's
+    layers repeat a handful of shapes, and a 405B model on 256 ranks would otherwise build
+    the same 256 boxes for each of its 3,411 tensors."""
+    boxes = tuple(shard_box(shape, placements, mesh_shape, rank_coordinate(r, mesh_shape))
+                  for r in range(math.prod(mesh_shape)))
+    holders: dict[Box, list[int]] = {}
+    for rank, box in enumerate(boxes):
+        holders.setdefault(box, []).append(rank)
+    return boxes, tuple((box, tuple(ranks)) for box, ranks in holders.items())
+
+
 def local_boxes(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh: MeshSpec) -> list[Box]:
     """Every rank's local shard, indexed by rank."""
-    return [shard_box(shape, placements, mesh.shape, rank_coordinate(r, mesh.shape)) for r in range(mesh.world_size)]
+    return list(_rank_boxes(tuple(shape), tuple(placements), mesh.shape)[0])
+
+
+def mesh_shards(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh: MeshSpec, itemsize: int,
+                load: list[int]) -> tuple[list[Box], list[Box], list[int]]:
+    """(every rank's local box, the distinct boxes, the rank that stores each): ``local_boxes``
+    and ``distinct_boxes`` in one, from the cache."""
+    local, holders = _rank_boxes(tuple(shape), tuple(placements), mesh.shape)
+    return list(local), *_assign_owners(holders, itemsize, load)
 
 
 def distinct_boxes(boxes: list[Box], itemsize: int, load: list[int]) -> tuple[list[Box], list[int]]:
@@ -176,9 +199,14 @@ def distinct_boxes(boxes: list[Box], itemsize: int, load: list[int]) -> tuple[li
     holders: dict[Box, list[int]] = {}
     for rank, box in enumerate(boxes):
         holders.setdefault(box, []).append(rank)
+    return _assign_owners(tuple((box, tuple(ranks)) for box, ranks in holders.items()), itemsize, load)
+
+
+def _assign_owners(holders: tuple[tuple[Box, tuple[int, ...]], ...], itemsize: int,
+                   load: list[int]) -> tuple[list[Box], list[int]]:
     out_boxes, out_ranks = [], []
-    for box, ranks in holders.items():
-        owner = min(ranks, key=lambda r: (load[r], r))
+    for box, ranks in holders:
+        owner = ranks[0] if len(ranks) == 1 else min(ranks, key=lambda r: (load[r], r))
         load[owner] += box.numel * itemsize
         out_boxes.append(box)
         out_ranks.append(owner)

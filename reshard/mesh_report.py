@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from reshard.catalog import Catalog, Target
 from reshard.mesh_target import mesh_target, uneven_dims
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
@@ -25,15 +27,20 @@ def mesh_summary(target: Target, layout: Layout) -> dict[str, Any]:
     mesh = target.mesh
     if mesh is None:
         raise ValueError("mesh_summary needs a target laid out for a mesh")
-    per_rank = [{"rank": r, "params": 0, "optim": 0, "other": 0} for r in range(mesh.world_size)]
+    held = {kind: np.zeros(mesh.world_size, dtype=np.int64) for kind in ("params", "optim", "other")}
+    numels: dict[tuple, np.ndarray] = {}  # per layout (shape, placements): elements on each rank
     uneven = {}
     for t in target.tensors.values():
-        kind = _KINDS.get(layout.role(t.name), "other")
-        for r, box in enumerate(t.local or []):
-            per_rank[r][kind] += box.numel * t.dtype.itemsize
+        if t.local:
+            key = (t.shape, t.placements)
+            if key not in numels:
+                numels[key] = np.array([box.numel for box in t.local], dtype=np.int64)
+            held[_KINDS.get(layout.role(t.name), "other")] += numels[key] * t.dtype.itemsize
         notes = uneven_dims(t.shape, t.placements or (), mesh)
         if notes:
             uneven[t.name] = notes
+    per_rank = [{"rank": r, "params": p, "optim": o, "other": x}
+                for r, (p, o, x) in enumerate(zip(*(held[k].tolist() for k in ("params", "optim", "other"))))]
     for row in per_rank:
         row["total"] = row["params"] + row["optim"] + row["other"]
     totals = [row["total"] for row in per_rank]

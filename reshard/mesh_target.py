@@ -13,7 +13,7 @@ import torch
 
 from reshard.catalog import Catalog, Target, TargetTensor, pick_objects
 from reshard.conventions import PER_RANK, Layout, detect_layout, is_per_rank
-from reshard.layout import MeshSpec, distinct_boxes, format_placement, local_boxes
+from reshard.layout import MeshSpec, format_placement, mesh_shards
 from reshard.placements import PlacementPlan, assign_placements
 from reshard.plan import Casting, select
 
@@ -66,8 +66,7 @@ def mesh_target(
     for name in names:
         entry = catalog.tensors[name]
         out_dtype = casting.dtype(name, entry)
-        local = local_boxes(entry.shape, placements[name], mesh)
-        boxes, ranks = distinct_boxes(local, out_dtype.itemsize, load)
+        local, boxes, ranks = mesh_shards(entry.shape, placements[name], mesh, out_dtype.itemsize, load)
         tensors[name] = TargetTensor(name, entry.shape, out_dtype, boxes, ranks, local=local, placements=placements[name])
     kept = set(tensors) | set(objects)
     attrs = dict(catalog.attrs)

@@ -142,8 +142,8 @@ def sources_for(entry: TensorEntry, box: Box) -> list[Source]:
         lo = np.maximum(offsets, np.asarray(box.offsets, dtype=np.int64))
         hi = np.minimum(offsets + sizes, np.asarray(box.ends, dtype=np.int64))
         hits = np.flatnonzero((hi > lo).all(axis=1)) if box.ndim else np.arange(len(offsets))
-        chunks = entry.chunks
-        return [Source(chunks[i], Box(tuple(lo[i].tolist()), tuple((hi[i] - lo[i]).tolist()))) for i in hits.tolist()]
+        return [Source(entry.chunk(i), Box(tuple(o), tuple(z)))
+                for i, o, z in zip(hits.tolist(), lo[hits].tolist(), (hi - lo)[hits].tolist())]
     out = []
     for chunk in entry.chunks:
         part = chunk.box.intersect(box)

@@ -86,3 +86,23 @@ def test_repr_and_help_of_the_api(fsdp2_dcp) -> None:
         assert name in dir(reshard) and f"{name}(" in text, name
     for result in (reshard.ConvertResult, reshard.VerifyResult, reshard.PushResult, reshard.LoadResult):
         assert result.__doc__ and not result.__doc__.startswith(f"{result.__name__}("), result  # not dataclass's stub
+
+
+def test_compact_json_writes_chunk_columns_exactly_as_json_would(tmp_path: Path) -> None:
+    """Big checkpoints' chunk lists are written from their columns as text: the result is the
+    same JSON, byte for byte, as json.dumps of the plain lists, for sharded, scalar, empty and
+    uneven tensors, and names that look like JSON."""
+    import torch
+
+    import reshard
+    from reshard.report import catalog_json, compact_json
+
+    state = {"w": torch.zeros(7, 3), 'odd "name",[]': torch.zeros(5), "scalar": torch.tensor(2.0),
+             "empty": torch.zeros(0, 4)}
+    torch.save(state, tmp_path / "a.pt")
+    reshard.convert(tmp_path / "a.pt", tmp_path / "dcp", mesh="3", quiet=True)
+    for src in (tmp_path / "a.pt", tmp_path / "dcp"):
+        catalog = reshard.inspect(src)
+        plain = json.dumps(catalog_json(catalog), separators=(",", ":"))
+        assert compact_json(catalog_json(catalog, chunks_as_text=True)) == plain
+    assert len(json.loads(plain)["tensors"][-1]["chunks"]) == 3  # "w", 3 shards: the check saw several
