@@ -25,17 +25,25 @@ Method
   fails makes the benchmark exit non-zero.
 
 Adding a row: append a ``Row`` to ``ROWS`` (or ``FLAT_ROWS``) whose builder turns a
-``Context`` into a ``Command``.
+``Context`` into a ``Command`` (what to run, the output it must leave, what it reads).
+
+Two more modes, same method, their rows in their own modules: ``--scale``
+(scripts/bench_scale.py: planning a metadata-only Llama-405B DCP from 64 to 2048 ranks beside
+torch's ``read_metadata``) and ``--paths`` (scripts/bench_paths.py: peak RSS of every memory
+path, --dtype, re-layouts, key maps, zarr --compress, MoE and FP8 exports, against the budget).
 
     python scripts/bench.py                                # ~1.5 GB checkpoint, 3 repeats
     python scripts/bench.py --size-mb 64 --repeats 1 --json bench.json
     python scripts/bench.py --flat-check --size-mb 384     # reshard peak RSS at 384 MiB and 4x
     python scripts/bench.py --no-load                      # the conversion table only
+    python scripts/bench.py --scale                        # metadata-only 405B DCP, 64..2048 ranks
+    python scripts/bench.py --paths                        # peak RSS of each memory path at 256MiB
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -91,6 +99,10 @@ class Context:
 class Command:
     argv: list[str]
     output: Path | None = None  # must exist after a successful run (catches silent no-ops)
+    stdout: Path | None = None  # the child's stdout goes here (stderr to the log); else both to the log
+    sources: tuple[Path, ...] | None = None  # files/dirs read before the run to warm the cache; None: the
+    #                                          context's source and the run's zarr stores
+    check: Callable[[], str | None] | None = None  # after exit 0: why the output is wrong, or None
 
 
 @dataclass(frozen=True)
@@ -266,13 +278,14 @@ def _parse_stats(stats: Path, probe: RssProbe) -> tuple[float | None, float, int
         return None, 0.0, 0
 
 
-def run_measured(argv: Sequence[str], cwd: Path, log: Path, probe: RssProbe) -> RunResult:
-    """Run ``argv`` to completion under ``probe``: wall time, CPU time and peak RSS."""
+def run_measured(argv: Sequence[str], cwd: Path, log: Path, probe: RssProbe, stdout: Path | None = None) -> RunResult:
+    """Run ``argv`` to completion under ``probe``: wall time, CPU time and peak RSS.
+    Its stdout goes to ``stdout`` when given (stderr still to ``log``), else to ``log``."""
     stats = log.with_suffix(".rusage")
-    with open(log, "wb") as logf:
+    with open(log, "wb") as logf, open(stdout, "wb") if stdout else contextlib.nullcontext(logf) as outf:
         start = time.perf_counter()
         proc = subprocess.Popen([*probe.prefix(stats), *argv], cwd=cwd, stdin=subprocess.DEVNULL,
-                                stdout=logf, stderr=subprocess.STDOUT)
+                                stdout=outf, stderr=logf if stdout else subprocess.STDOUT)
         try:
             returncode = proc.wait()
         except BaseException:
@@ -309,7 +322,8 @@ def _failure(res: RunResult, cmd: Command) -> str | None:
         return f"exit {res.returncode}: {last}"
     if cmd.output is not None and not cmd.output.exists():
         return f"exit 0 but wrote no {cmd.output.name} ({last})"
-    return None
+    why = cmd.check() if cmd.check is not None else None
+    return None if why is None else f"exit 0 but {why}"
 
 
 def _log_name(row: Row, rep: int) -> str:
@@ -328,11 +342,12 @@ def measure(rows: Sequence[Row], ctx: Context, repeats: int, logdir: Path) -> li
                 continue
             _clear(ctx.scratch)
             cmd = row.build(ctx)
-            for warm in (ctx.src, *ctx.scratch.parent.glob("*.zarr")):  # the sources of every row
+            sources = cmd.sources if cmd.sources is not None else (ctx.src, *ctx.scratch.parent.glob("*.zarr"))
+            for warm in sources:
                 warm_read(warm)  # again before each run: page-cache pages can be evicted meanwhile
             m.argv = cmd.argv
             log = logdir / _log_name(row, rep)
-            res = run_measured(cmd.argv, ctx.scratch, log, ctx.probe)
+            res = run_measured(cmd.argv, ctx.scratch, log, ctx.probe, cmd.stdout)
             m.error = _failure(res, cmd)
             if m.error is None:
                 m.walls.append(res.wall)
@@ -400,15 +415,17 @@ COLUMNS: list[tuple[str, str, str]] = [
 ]
 
 
-def print_table(summary: Sequence[dict[str, Any]]) -> None:
-    head = f"{'command':<26}" + "".join(f" {h:>{int(s.split('.')[0])}}" for h, _, s in COLUMNS)
+def print_table(summary: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]] = COLUMNS,
+                width: int = 26) -> None:
+    """One line per row: its name in ``width`` characters, then ``columns`` (see COLUMNS)."""
+    head = f"{'command':<{width}}" + "".join(f" {h:>{int(s.split('.')[0])}}" for h, _, s in columns)
     print(head)
     print("-" * len(head))
     for r in summary:
         if r["error"] is not None:
-            print(f"{r['name']:<26} unavailable: {r['error'].splitlines()[0]}")
+            print(f"{r['name']:<{width}} unavailable: {r['error'].splitlines()[0]}")
         else:
-            print(f"{r['name']:<26}" + "".join(f" {_fmt(r[k], s)}" for _, k, s in COLUMNS))
+            print(f"{r['name']:<{width}}" + "".join(f" {_fmt(r[k], s)}" for _, k, s in columns))
 
 
 def acceptance(summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -544,8 +561,8 @@ def run_load(src: Path, args: argparse.Namespace) -> int:
 
 
 def run_flat_check(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], int]:
-    """reshard -> safetensors at SIZE and SCALE x SIZE: peak RSS should not grow."""
-    sizes = [args.size_mb, args.size_mb * args.scale]
+    """reshard -> safetensors at SIZE and SIZE_FACTOR x SIZE: peak RSS should not grow."""
+    sizes = [args.size_mb, args.size_mb * args.size_factor]
     per_size: list[dict[str, Any]] = []
     code, env = 0, {}
     for size in sizes:
@@ -568,8 +585,8 @@ def run_flat_check(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, A
               f"{_fmt(r['rss_above_import_mib'], '5.0f')} MiB, wall {r['wall_s']:.2f}s")
     growth = peaks[1] - peaks[0] if len(peaks) == 2 else None
     if growth is not None:
-        print(f"  peak RSS growth for {args.scale:g}x the data: {growth:+.0f} MiB")
-    return {"mode": "flat-check", "scale": args.scale, "env": env, "sizes": per_size, "rss_growth_mib": growth}, code
+        print(f"  peak RSS growth for {args.size_factor:g}x the data: {growth:+.0f} MiB")
+    return {"mode": "flat-check", "size_factor": args.size_factor, "env": env, "sizes": per_size, "rss_growth_mib": growth}, code
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -582,8 +599,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-memory", default="256MiB", help="reshard --max-memory (default 256MiB)")
     ap.add_argument("--only", default=None,
                     help="comma-separated substrings of row names to run (import torch and cp always run)")
-    ap.add_argument("--flat-check", action="store_true", help="reshard -> safetensors peak RSS at SIZE and SCALE x SIZE")
-    ap.add_argument("--scale", type=float, default=4.0, help="size factor for --flat-check (default 4)")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--flat-check", action="store_true", help="reshard -> safetensors peak RSS at SIZE and SIZE_FACTOR x SIZE")
+    mode.add_argument("--scale", action="store_true",
+                      help="metadata-only Llama-405B DCP at --world-sizes ranks: inspect, inspect --to-mesh 32x8 and "
+                           "convert --to-mesh 32x8 --dry-run beside torch's read_metadata (scripts/bench_scale.py)")
+    mode.add_argument("--paths", action="store_true",
+                      help="one row per memory path (--dtype, dim-0/dim-1 re-layout, key maps, zarr --compress, MoE "
+                           "and FP8 exports): peak RSS above import torch against the budget (scripts/bench_paths.py)")
+    ap.add_argument("--size-factor", type=float, default=4.0, help="size factor for --flat-check (default 4)")
+    ap.add_argument("--world-sizes", default="64,256,512,2048",
+                    help="with --scale: comma-separated rank counts (default 64,256,512,2048)")
+    ap.add_argument("--big-repeats", type=int, default=1,
+                    help="with --scale: runs per row from 512 ranks up (default 1; --repeats below that)")
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
                     help="after the table, load the same checkpoint into a live FSDP2 model + AdamW on 3 ranks: "
@@ -592,9 +620,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
-    if args.flat_check and args.ckpt is not None:
-        ap.error("--flat-check makes its own checkpoints: drop --ckpt")
+    if (args.flat_check or args.scale) and args.ckpt is not None:
+        ap.error("--flat-check and --scale make their own checkpoints: drop --ckpt")
+    if args.big_repeats < 1:
+        ap.error("--big-repeats must be >= 1")
     return args
+
+
+def _mode(args: argparse.Namespace) -> Callable[[argparse.Namespace, Path], tuple[dict[str, Any], int]]:
+    # Imported here: bench_scale and bench_paths import this module for its machinery.
+    if args.scale:
+        from bench_scale import run_scale
+        return run_scale
+    if args.paths:
+        from bench_paths import run_paths
+        return run_paths
+    return run_flat_check if args.flat_check else run_table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -604,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="run-", dir=root))  # beside the source: same file system
     (workdir / "logs").mkdir()
     try:
-        report, code = (run_flat_check if args.flat_check else run_table)(args, workdir)
+        report, code = _mode(args)(args, workdir)
     finally:
         shutil.rmtree(workdir / "scratch", ignore_errors=True)
     if args.json:

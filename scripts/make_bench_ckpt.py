@@ -35,10 +35,13 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["LlamaDims", "solve_dims", "tensor_shapes", "ensure_checkpoint", "default_ckpt_path"]
+__all__ = ["LlamaDims", "solve_dims", "tensor_shapes", "ensure_checkpoint", "default_ckpt_path", "SavedTensor",
+           "save_world", "cached_build", "marker_path",
+           "generator_args", "generate"]
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 4
@@ -118,17 +121,39 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _rank_main(rank: int, world: int, store: str, out: str, dims: dict, seed: int, errdir: str) -> None:
+@dataclass(frozen=True)
+class SavedTensor:
+    """One tensor of a saved state dict: where it sits in the nested dict, its global shape,
+    and the scale of its ``randn`` data."""
+
+    path: tuple[str, ...]  # ("model", "layers.0.w"): state_dict["model"]["layers.0.w"]
+    shape: tuple[int, ...]
+    scale: float = 1.0
+
+
+def llama_state(dims: LlamaDims) -> list[SavedTensor]:
+    """The benchmark checkpoint: each parameter, then its exp_avg and exp_avg_sq (the order
+    the ranks draw their random numbers in)."""
+    out = []
+    for fqn, shape in tensor_shapes(dims).items():
+        out += [SavedTensor(("model", fqn), shape, 0.02), SavedTensor(("optim", "state", fqn, "exp_avg"), shape, 1e-3),
+                SavedTensor(("optim", "state", fqn, "exp_avg_sq"), shape, 1e-6)]
+    return out
+
+
+def _rank_main(rank: int, world: int, store: str, out: str, spec: list[SavedTensor], objects: dict, seed: int,
+               errdir: str) -> None:
     import traceback
 
     try:
-        _save_rank(rank, world, store, out, LlamaDims(**dims), seed)
+        _save_rank(rank, world, store, out, spec, objects, seed)
     except BaseException:
         Path(errdir, f"rank{rank}.err").write_text(traceback.format_exc())
         raise
 
 
-def _save_rank(rank: int, world: int, store: str, out: str, dims: LlamaDims, seed: int) -> None:
+def _save_rank(rank: int, world: int, store: str, out: str, spec: list[SavedTensor], objects: dict,
+               seed: int) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -151,21 +176,27 @@ def _save_rank(rank: int, world: int, store: str, out: str, dims: LlamaDims, see
                 shape=torch.Size(shape), stride=_contiguous_stride(shape),
             )
 
-        model, state = {}, {}
-        for fqn, shape in tensor_shapes(dims).items():
-            model[fqn] = shard(shape, 0.02)
-            state[fqn] = {"exp_avg": shard(shape, 1e-3), "exp_avg_sq": shard(shape, 1e-6)}
-        dcp.save({"model": model, "optim": {"state": state}}, checkpoint_id=out)
+        state: dict = {}
+        for t in spec:
+            node = state
+            for key in t.path[:-1]:
+                node = node.setdefault(key, {})
+            node[t.path[-1]] = shard(t.shape, t.scale)
+        for key, value in objects.items():  # non-tensor sections (train_state, ...), the same on every rank
+            state.setdefault(key, value)
+        dcp.save(state, checkpoint_id=out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
-def _run_world(out: Path, dims: LlamaDims, seed: int, timeout: float) -> None:
+def save_world(out: Path, spec: list[SavedTensor], objects: dict, seed: int, timeout: float) -> None:
+    """Save ``spec`` (plus ``objects``) to the DCP folder ``out`` from a WORLD_SIZE-rank gloo
+    world, every tensor ``Shard(0)``: each rank generates and holds only its own pieces."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="reshard-bench-world-") as tmp:
-        args = (WORLD_SIZE, os.path.join(tmp, "store"), str(out), asdict(dims), seed, tmp)
+        args = (WORLD_SIZE, os.path.join(tmp, "store"), str(out), spec, objects, seed, tmp)
         ctx = mp.start_processes(_rank_main, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
@@ -184,71 +215,91 @@ def _run_world(out: Path, dims: LlamaDims, seed: int, timeout: float) -> None:
 # ---------------------------------------------------------------------------------- cache
 
 
-def _marker_path(out: Path) -> Path:
+def marker_path(out: Path) -> Path:
     return out.with_name(out.name + ".marker.json")
+
+
+def generator_args(doc: str, *, out_help: str, size_help: str | None = None, seed: bool = False,
+                   formatter: type = argparse.HelpFormatter) -> argparse.ArgumentParser:
+    """The options the generators share (``--out``, ``--force``, and where asked ``--size-mb``
+    and ``--seed``); each adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=formatter)
+    ap.add_argument("--out", type=Path, default=None, help=out_help)
+    ap.add_argument("--force", action="store_true", help="rebuild even when a cached copy matches")
+    if size_help:
+        ap.add_argument("--size-mb", type=float, default=1536.0, help=size_help)
+    if seed:
+        ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def generate(out: Path, force: bool, ensure: Callable[[Path], Path]) -> int:
+    """Build (or reuse) ``out`` with ``ensure`` and print where it is; ``force`` drops the
+    marker first, so the cache is rebuilt."""
+    out = out.resolve()
+    if force:
+        marker_path(out).unlink(missing_ok=True)
+    print(ensure(out))
+    return 0
+
+
+def cached_build(out: Path, request: dict, build: Callable[[Path], dict], what: str, quiet: bool = False) -> Path:
+    """``out`` made by ``build(tmp)`` unless the marker beside it records ``request`` (the
+    generators' shared cache). ``build`` writes into a temporary sibling that is renamed into
+    place once complete, so an interrupted build never looks finished; what it returns goes
+    into the marker next to the request."""
+    out = Path(out).resolve()
+    marker = marker_path(out)
+    try:
+        if out.exists() and json.loads(marker.read_text()).get("request") == request:
+            if not quiet:
+                print(f"reusing cached {what} {out}", file=sys.stderr)
+            return out
+    except (OSError, ValueError):
+        pass
+    if not quiet:
+        print(f"making {what} {out}: {request}", file=sys.stderr, flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    started = time.perf_counter()
+    try:
+        info = build(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    on_disk = sum(f.stat().st_blocks * 512 for f in out.rglob("*") if f.is_file())
+    seconds = time.perf_counter() - started
+    marker.write_text(json.dumps({"request": request, **info, "bytes_on_disk": on_disk, "seconds": seconds},
+                                 indent=1) + "\n")
+    if not quiet:
+        print(f"made {out} ({on_disk / 2**20:.0f} MiB on disk) in {seconds:.1f}s", file=sys.stderr)
+    return out
 
 
 def _request(size_mb: float, seed: int) -> dict:
     return {"size_mb": size_mb, "ranks": WORLD_SIZE, "seed": seed, "version": GENERATOR_VERSION}
 
 
-def is_cached(out: Path, size_mb: float, seed: int = 0) -> bool:
-    marker = _marker_path(out)
-    if not (out / ".metadata").is_file() or not marker.is_file():
-        return False
-    try:
-        return json.loads(marker.read_text()).get("request") == _request(size_mb, seed)
-    except (OSError, ValueError):
-        return False
-
-
 def ensure_checkpoint(out: Path, size_mb: float, seed: int = 0, timeout: float = 3600.0, quiet: bool = False) -> Path:
     """Return ``out`` holding the checkpoint for ``size_mb``, making it unless cached."""
-    out = Path(out).resolve()
-    if is_cached(out, size_mb, seed):
-        if not quiet:
-            print(f"reusing cached benchmark checkpoint {out}", file=sys.stderr)
-        return out
     dims = solve_dims(size_mb)
-    if not quiet:
-        print(
-            f"making benchmark checkpoint {out}: {total_bytes(dims) / 2**20:.0f} MiB fp32, "
-            f"{WORLD_SIZE} ranks, dims {asdict(dims)}",
-            file=sys.stderr,
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _marker_path(out).unlink(missing_ok=True)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    started = time.perf_counter()
-    try:
-        _run_world(tmp, dims, seed, timeout)
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    on_disk = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    marker = {"request": _request(size_mb, seed), "dims": asdict(dims), "tensor_bytes": total_bytes(dims),
-              "bytes_on_disk": on_disk}
-    _marker_path(out).write_text(json.dumps(marker, indent=1) + "\n")
-    if not quiet:
-        print(f"made {out} ({on_disk / 2**20:.0f} MiB on disk) in {time.perf_counter() - started:.1f}s",
-              file=sys.stderr)
-    return out
+
+    def build(tmp: Path) -> dict:
+        save_world(tmp, llama_state(dims), {}, seed, timeout)
+        return {"dims": asdict(dims), "tensor_bytes": total_bytes(dims)}
+
+    return cached_build(out, _request(size_mb, seed), build, f"benchmark checkpoint ({WORLD_SIZE} ranks, fp32)", quiet)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size-mb", type=float, default=1536.0, help="total tensor bytes in MiB (default 1536)")
-    ap.add_argument("--out", type=Path, default=None, help="output DCP dir (default .bench/ckpt_<size>)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--force", action="store_true", help="rebuild even when a cached copy matches")
+    ap = generator_args(__doc__.split("\n\n")[0], out_help="output DCP dir (default .bench/ckpt_<size>)",
+                        size_help="total tensor bytes in MiB (default 1536)", seed=True)
     args = ap.parse_args(argv)
-    out = args.out or default_ckpt_path(args.size_mb)
-    if args.force:
-        _marker_path(out.resolve()).unlink(missing_ok=True)
-    print(ensure_checkpoint(out, args.size_mb, args.seed))
-    return 0
+    return generate(args.out or default_ckpt_path(args.size_mb), args.force,
+                    lambda out: ensure_checkpoint(out, args.size_mb, args.seed))
 
 
 if __name__ == "__main__":
