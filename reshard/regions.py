@@ -35,8 +35,21 @@ def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def read_exact(fd: int, nbytes: int, offset: int, path: Path | str) -> bytearray:
     """Read exactly ``nbytes`` at ``offset``; a short read means the file is truncated."""
     buf = bytearray(nbytes)
-    view = memoryview(buf)
-    done = 0
+    _read_into(fd, memoryview(buf), offset, path)
+    return buf
+
+
+def _read_tensor(fd: int, nbytes: int, offset: int, path: Path | str) -> torch.Tensor:
+    """``read_exact`` into uninitialised memory, as uint8: a bytearray is zero-filled first,
+    one more pass over every byte read (and the pass that faults its pages in)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        _read_into(fd, memoryview(buf.numpy()), offset, path)
+    return buf
+
+
+def _read_into(fd: int, view: memoryview, offset: int, path: Path | str) -> None:
+    done, nbytes = 0, view.nbytes
     while done < nbytes:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
@@ -45,7 +58,6 @@ def read_exact(fd: int, nbytes: int, offset: int, path: Path | str) -> bytearray
                 f"{offset + nbytes} (truncated?)"
             )
         done += n
-    return buf
 
 
 @dataclass(frozen=True)
@@ -92,7 +104,7 @@ class StoredRegion:
             return torch.empty(box.sizes, dtype=self.dtype)
         direct = self.byte_range(box)
         if direct is not None:
-            return self._tensor(read_exact(fd, direct[1], direct[0], self.path), box.sizes)
+            return self._tensor(_read_tensor(fd, direct[1], direct[0], self.path), box.sizes)
         strides = self.strides or c_strides(self.shape)
         return self._read_strided(fd, box, strides, max(2 * box.numel * item, _MIN_SPAN))
 
@@ -109,7 +121,7 @@ class StoredRegion:
         last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides))
         span = (last - first + 1) * item
         if span <= allowed:
-            raw = self._tensor(read_exact(fd, span, self.offset + first * item, self.path), (last - first + 1,))
+            raw = self._tensor(_read_tensor(fd, span, self.offset + first * item, self.path), (last - first + 1,))
             return raw.as_strided(box.sizes, strides)
         d = next(i for i, n in enumerate(box.sizes) if n > 1)  # a box spanning more than one run has one
         pitch = strides[d] * item  # bytes from one index along d to the next
@@ -123,10 +135,10 @@ class StoredRegion:
             out.narrow(d, i, n).copy_(self._read_strided(fd, sub, strides, allowed))
         return out
 
-    def _tensor(self, buf: bytearray, sizes: tuple[int, ...]) -> torch.Tensor:
-        if len(buf) == 0:
+    def _tensor(self, buf: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        if buf.numel() == 0:
             return torch.empty(sizes, dtype=self.dtype)
-        return torch.frombuffer(buf, dtype=self.dtype).reshape(sizes)
+        return buf.view(self.dtype).reshape(sizes)
 
     def read_all(self) -> torch.Tensor:
         return self.read(full_box(self.shape))

@@ -129,3 +129,34 @@ def test_fd_pool_closes_idle_files_only() -> None:
             assert pool.open_count <= 2
         pool.close()
         assert pool.open_count == 0
+
+
+def test_column_shards_of_one_tensor_read_their_rows_once(tmp_path: Path, monkeypatch) -> None:
+    """Column pieces that share their rows, in several files (a Shard(1) target: uneven, with
+    an empty shard) or twice in one, are written exactly, with and without a cast, while each
+    stored byte is read about once: alone, every piece would read whole rows for its columns."""
+    import reshard.regions as regions
+
+    read: list[int] = []
+    real_read = regions._read_tensor
+    monkeypatch.setattr(regions, "_read_tensor", lambda fd, n, off, path: read.append(n) or real_read(fd, n, off, path))
+    t = torch.randn(37, 101)
+    cat = _sharded_catalog(tmp_path, t, [13, 13, 11])
+    for dtype in (torch.float32, torch.bfloat16):
+        cols = [(0, 34), (34, 34), (68, 33), (101, 0)]
+        files = [FileLayout(f"r{i}.bin", [b"H", Piece("w", Box((0, c), (37, n)), dtype), b"T"]) for i, (c, n) in enumerate(cols)]
+        files.append(FileLayout("twice.bin", [Piece("w", Box((5, 10), (20, 30)), dtype)] * 2))
+        files.append(FileLayout("rows.bin", [Piece("w", Box((5, 40), (20, 61)), dtype)]))
+        out = tmp_path / f"out_{dtype}"
+        out.mkdir()
+        read.clear()
+        Engine(16 << 10, workers=2, progress=False).run(make_plan(cat, files), out, True)  # slabs of a few rows
+        expect = t.to(dtype)
+        for i, (c, n) in enumerate(cols):
+            body = (out / f"r{i}.bin").read_bytes()
+            assert body == b"H" + expect[:, c:c + n].contiguous().view(torch.uint8).numpy().tobytes() + b"T", (dtype, i)
+        assert (out / "twice.bin").read_bytes() == expect[5:25, 10:40].contiguous().view(torch.uint8).numpy().tobytes() * 2
+        assert (out / "rows.bin").read_bytes() == expect[5:25, 40:].contiguous().view(torch.uint8).numpy().tobytes()
+        # Every row once for the four column shards, rows 5-24 once more for the other two files:
+        # about 1.5x the tensor; piece by piece it would be about 4.5x.
+        assert sum(read) <= 1.6 * t.numel() * 4, (dtype, sum(read) / (t.numel() * 4))

@@ -51,13 +51,13 @@ def test_sparse_boxes_are_read_in_bounded_blocks(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(regions, "_MIN_SPAN", min_span)
     reads: list[int] = []
-    real_read_exact = regions.read_exact
+    real_read = regions._read_tensor
 
-    def counting(fd: int, size: int, offset: int, path: Path) -> bytearray:
+    def counting(fd: int, size: int, offset: int, path: Path) -> torch.Tensor:
         reads.append(size)
-        return real_read_exact(fd, size, offset, path)
+        return real_read(fd, size, offset, path)
 
-    monkeypatch.setattr(regions, "read_exact", counting)
+    monkeypatch.setattr(regions, "_read_tensor", counting)
     gen = torch.Generator().manual_seed(min_span)
     t = torch.randn(37, 29, 11, generator=gen)
     region = StoredRegion(_store(tmp_path, t), 13, torch.float32, tuple(t.shape))
