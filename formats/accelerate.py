@@ -54,8 +54,8 @@ class AccelerateFormat:
         return path.is_dir() and not (path / ".metadata").exists() and (path / MODEL_DIR / ".metadata").is_file()
 
     def read(self, path: Path) -> Catalog:
-        from reshard.formats.dcp import DCPFormat
-        from reshard.formats.torch_save import TorchSaveFormat
+        from reshard.formats.dcp.format import DCPFormat
+        from reshard.formats.torch.save import TorchSaveFormat
 
         path = Path(path)
         catalog = Catalog(format=self.name, path=path, objects=ObjectTable(), attrs={"layout": "accelerate"})

@@ -4,7 +4,7 @@
 ``latest_checkpointed_iteration.txt`` beside it) holding:
 
 * ``.metadata`` and ``__<rank>_<n>.distcp``: every sharded tensor as DCP (read by
-  ``formats/dcp.py``; Megatron adds its ranks' save plans to ``.metadata``, read as data and
+  ``formats/dcp/format.py``; Megatron adds its ranks' save plans to ``.metadata``, read as data and
   dropped). Model keys are Megatron's module names at the top level, transformer layers
   stacked along a leading layer dim (``decoder.layers.self_attention.linear_qkv.weight`` is
   ``[num_layers, ...]``); optimizer state is ``optimizer.state.<exp_avg|exp_avg_sq|param>.<key>``;
@@ -15,7 +15,7 @@
 
 The catalog follows the ``megatron`` layout (``reshard.conventions``); its parameters get the
 step from ``common_step``, as Megatron's optimizer does on load, so ``load_model`` resumes
-Adam where it stopped. ``megatron-to-hf`` (``reshard.keymap_megatron``) maps the names to HF's,
+Adam where it stopped. ``megatron-to-hf`` (``reshard.keymap.megatron``) maps the names to HF's,
 and ``--to hf`` applies it by itself.
 """
 
@@ -28,9 +28,9 @@ from typing import Any
 
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, ReshardError, UnsupportedFormatError, UsageError
-from reshard.formats.dcp import DCPFormat
-from reshard.formats.torch_save import add_leaves, flatten_tree
-from reshard.formats.torch_zip import read_torch_file
+from reshard.formats.dcp.format import DCPFormat
+from reshard.formats.torch.save import add_leaves, flatten_tree
+from reshard.formats.torch.zip import read_torch_file
 
 __all__ = ["MegatronFormat", "resolve_iteration", "megatron_heads"]
 

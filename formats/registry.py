@@ -20,18 +20,18 @@ __all__ = ["get_format", "detect_format", "FORMAT_NAMES", "format_for_destinatio
 _FORMATS: dict[str, str] = {
     # Megatron-Core's torch_dist is a DCP folder with metadata.json and common.pt beside it.
     "megatron": "reshard.formats.megatron:MegatronFormat",
-    "dcp": "reshard.formats.dcp:DCPFormat",
+    "dcp": "reshard.formats.dcp.format:DCPFormat",
     "accelerate": "reshard.formats.accelerate:AccelerateFormat",  # save_state: model + optimizer DCP folders (read only)
-    "zarr": "reshard.formats.zarr:ZarrFormat",  # a folder with zarr.json at its root
+    "zarr": "reshard.formats.zarr.format:ZarrFormat",  # a folder with zarr.json at its root
     # global_stepN/ (or its parent, through latest) and ds_to_universal folders (read only);
     # before torch-ranks: its per-rank *_optim_states.pt are no DTensor rank files.
-    "deepspeed": "reshard.formats.deepspeed:DeepSpeedFormat",
-    "safetensors": "reshard.formats.safetensors:SafetensorsFormat",
-    "hf-bin": "reshard.formats.hf_bin:HFBinFormat",  # pytorch_model.bin or *.bin.index.json (read only)
-    "torch-ranks": "reshard.formats.torch_ranks:TorchRanksFormat",
-    "torch": "reshard.formats.torch_save:TorchSaveFormat",
+    "deepspeed": "reshard.formats.deepspeed.format:DeepSpeedFormat",
+    "safetensors": "reshard.formats.safetensors.format:SafetensorsFormat",
+    "hf-bin": "reshard.formats.hf.bin:HFBinFormat",  # pytorch_model.bin or *.bin.index.json (read only)
+    "torch-ranks": "reshard.formats.torch.ranks:TorchRanksFormat",
+    "torch": "reshard.formats.torch.save:TorchSaveFormat",
     # A write target only (an HF model folder); HF folders are detected as safetensors.
-    "hf": "reshard.formats.hf:HFFormat",
+    "hf": "reshard.formats.hf.format:HFFormat",
 }
 FORMAT_NAMES = tuple(_FORMATS)
 # What ``--to`` offers (torch-ranks is what ``--to torch --to-mesh`` writes; hf-bin is read only).

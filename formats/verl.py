@@ -23,10 +23,10 @@ from pathlib import Path
 
 from reshard.catalog import Catalog, ObjectTable, TensorEntry
 from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.formats.safetensors import _CONFIGS, _load_json
-from reshard.formats.torch_ranks import complete_set, first_refused, read_set
-from reshard.formats.torch_save import FlatTree, flatten_tree
-from reshard.formats.torch_zip import read_torch_file
+from reshard.formats.safetensors.format import _CONFIGS, _load_json
+from reshard.formats.torch.ranks import complete_set, first_refused, read_set
+from reshard.formats.torch.save import FlatTree, flatten_tree
+from reshard.formats.torch.zip import read_torch_file
 from reshard.structure import CONTAINERS_ATTR
 
 __all__ = ["VERL_SETS", "verl_sets", "read_verl"]

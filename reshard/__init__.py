@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from reshard.catalog import Catalog
     from reshard.convert import ConvertResult, convert
     from reshard.hub import PushResult, push
-    from reshard.runtime import LoadResult, load_model, load_state_dict
-    from reshard.safe_pickle import allow_classes
+    from reshard.runtime.load import LoadResult, load_model, load_state_dict
+    from reshard.safe_pickle.unpickler import allow_classes
     from reshard.verify import VerifyResult, verify
 
 __all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "ConvertResult",
@@ -37,9 +37,9 @@ _LAZY = {
     "convert": "reshard.convert", "ConvertResult": "reshard.convert",
     "verify": "reshard.verify", "VerifyResult": "reshard.verify",
     "push": "reshard.hub", "PushResult": "reshard.hub",
-    "load_model": "reshard.runtime", "load_state_dict": "reshard.runtime", "LoadResult": "reshard.runtime",
+    "load_model": "reshard.runtime.load", "load_state_dict": "reshard.runtime.load", "LoadResult": "reshard.runtime.load",
     "Catalog": "reshard.catalog",
-    "allow_classes": "reshard.safe_pickle",
+    "allow_classes": "reshard.safe_pickle.unpickler",
 }
 
 

@@ -18,7 +18,7 @@ import torch
 from reshard.boxes import Box
 
 if TYPE_CHECKING:
-    from reshard.layout import MeshSpec, Placement
+    from reshard.mesh.layout import MeshSpec, Placement
 
 __all__ = ["ChunkData", "Chunk", "TensorEntry", "IndexedTensorEntry", "Catalog", "NestedPath", "ObjectTable", "object_loader", "pick_objects",
            "TargetTensor", "Target"]

@@ -81,7 +81,7 @@ def _allow(names: list[str] | None) -> None:
     """Allow the classes of ``--allow-class`` until ``main`` returns (objects of a DCP
     checkpoint are unpickled late, when the command first asks for them)."""
     if names:
-        from reshard.safe_pickle import allow_classes
+        from reshard.safe_pickle.unpickler import allow_classes
 
         _allowed_by_options.append(allow_classes(names))
 
@@ -137,7 +137,7 @@ def inspect(
     catalog = reshard.inspect(src, layout=layout)
     summary = None
     if to_mesh is not None:
-        from reshard.mesh_report import summarize_for_mesh
+        from reshard.mesh.report import summarize_for_mesh
 
         summary = summarize_for_mesh(catalog, to_mesh, placements)
     elif placements is not None:
@@ -151,7 +151,7 @@ def inspect(
         return
     typer.echo(catalog_table(catalog))
     if summary is not None:
-        from reshard.mesh_report import mesh_table
+        from reshard.mesh.report import mesh_table
 
         typer.echo("\n" + mesh_table(summary))
 

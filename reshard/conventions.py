@@ -81,7 +81,7 @@ CONVENTIONS: tuple[Convention, ...] = (
     # Recorded by the reader of accelerate's save_state folders (formats/accelerate.py).
     Convention("accelerate", "accelerate save_state with FSDP SHARDED_STATE_DICT", "model.", "optimizer.", "index",
                ("scheduler.", "sampler."), ("random_states_*",), ("random_states_0",)),
-    # Recorded by the DeepSpeed reader (formats/deepspeed.py): fp32 master weights at the top
+    # Recorded by the DeepSpeed reader (formats/deepspeed/format.py): fp32 master weights at the top
     # level, model-dtype copies under module., engine state under deepspeed.
     Convention("deepspeed", "DeepSpeed ZeRO and universal checkpoints (global_stepN/)", "", "optimizer.", "index",
                ("module.", "deepspeed."), (), ("deepspeed",)),

@@ -19,11 +19,11 @@ from reshard.errors import SourceChangedError, UsageError
 from reshard.formats.base import Writer
 from reshard.formats.pieces import FileLayout
 from reshard.formats.registry import detect_format, format_for_destination, get_format
-from reshard.formats.zarr_store import is_url
-from reshard.layout import MeshSpec, parse_mesh
-from reshard.mesh_target import mesh_target
+from reshard.formats.zarr.store import is_url
+from reshard.mesh.layout import MeshSpec, parse_mesh
+from reshard.mesh.target import mesh_target
 from reshard.parallel import Workers, join_workers, split_files
-from reshard.placements import load_placement_plan
+from reshard.mesh.placements import load_placement_plan
 from reshard.plan import Plan, full_target, make_plan, model_section
 from reshard.sizes import parse_size
 from reshard.staging import StagedOutput
@@ -160,7 +160,7 @@ def convert(
     """
     start = time.perf_counter()
     if is_url(src) or is_url(dst):  # zarr stores behind fsspec URLs: no local staging (zarr_remote)
-        from reshard.formats.zarr_remote import convert_url
+        from reshard.formats.zarr.remote import convert_url
 
         return convert_url(src, dst, to=to, mesh=mesh, placements=placements, dtype=dtype, only=only,
                            max_memory=max_memory, overwrite=overwrite, quiet=quiet, compress=compress,
@@ -193,7 +193,7 @@ def convert(
     plan = make_plan(catalog, files)
     notices = target.notices + list(writer.notices(target))
     if dry_run:
-        from reshard.mesh_report import mesh_summary
+        from reshard.mesh.report import mesh_summary
 
         ranks = mesh_summary(target, detect_layout(catalog)) if target.mesh is not None else None
         return ConvertResult(src=src, dst=dst, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
@@ -275,7 +275,7 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
         detect_layout(catalog, layout)  # an unknown name is a usage error now, not after the keymap
         catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout})
     if config is not None:  # what model these tensors are: key maps and the HF export read it
-        from reshard.formats.hf_files import load_config
+        from reshard.formats.hf.files import load_config
 
         catalog = replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config)})
     catalog = excluded(catalog, exclude)
@@ -284,11 +284,11 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
 
         catalog = dequantized(catalog)
     if keymap is not None:  # lazily renamed entries; the source's real files are unchanged
-        from reshard.keymap import load_keymap
+        from reshard.keymap.maps import load_keymap
 
         catalog = load_keymap(keymap).apply(catalog)
-    if to == "hf":  # model tensors under HF names, with config.json (reshard.formats.hf)
-        from reshard.formats.hf import export_catalog
+    if to == "hf":  # model tensors under HF names, with config.json (reshard.formats.hf.format)
+        from reshard.formats.hf.format import export_catalog
 
         catalog = export_catalog(catalog, max_memory=budget, assets=None if hf_assets is None else str(hf_assets),
                                  weights_only=weights_only)

@@ -69,7 +69,7 @@ def _save_worker(rank: int, world_size: int, out: str, ref: str) -> None:
 
 def save_fsdp2_dcp(out: Path, world_size: int = 3) -> Path:
     """Write a DCP checkpoint at ``out`` and the gathered reference at ``out``.ref.pt."""
-    from reshard.world import run_world
+    from reshard.runtime.world import run_world
 
     ref = out.with_name(out.name + ".ref.pt")
     run_world(_save_worker, world_size, str(out), str(ref))

@@ -99,7 +99,7 @@ def _files(folder: Path) -> list[tuple[str, int]]:
 
 
 def _check_ties(folder: Path, config: dict[str, Any], tensors: dict[str, Any]) -> None:
-    from reshard.formats.hf import same_values
+    from reshard.formats.hf.format import same_values
 
     tie = config.get("tie_word_embeddings")
     if tie is True and _HEAD in tensors and _EMBED in tensors and not same_values(tensors[_HEAD], tensors[_EMBED], 1 << 28):
@@ -115,7 +115,7 @@ def check_folder(folder: Path) -> list[tuple[str, int]]:
     """(path, bytes) of every file a push sends, once the folder passes the checks transformers
     relies on: config.json present; the index names only files that exist and covers every
     tensor of every shard (no stray shard); every header parses; tied weights consistent."""
-    from reshard.formats.safetensors import INDEX_NAME, SafetensorsFormat
+    from reshard.formats.safetensors.format import INDEX_NAME, SafetensorsFormat
 
     folder = Path(folder)
     if not folder.is_dir():

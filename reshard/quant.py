@@ -41,7 +41,7 @@ import torch
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry, object_loader, pick_objects
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.keymap_chunks import read_box
+from reshard.keymap.chunks import read_box
 from reshard.provenance import CONFIG_OBJECT, hf_configs
 
 __all__ = ["QuantScheme", "SUPPORTED_METHODS", "quant_method", "find_quantized", "unpaired", "dequantized"]

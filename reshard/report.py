@@ -210,7 +210,7 @@ def catalog_repr(catalog: Catalog, html: bool = False) -> str:
 
 def dry_run_table(result: Any) -> str:
     """``convert --dry-run``: what would be written, file by file, and per target rank."""
-    from reshard.mesh_report import mesh_table
+    from reshard.mesh.report import mesh_table
 
     files = result.files
     lines = [f"dry run: {result.dst} ({result.format}) would hold {result.tensors} tensors, "

@@ -13,10 +13,10 @@ __all__ = ["read_catalog"]
 
 def read_catalog(src: str | os.PathLike) -> Catalog:
     """The catalog of ``src``, metadata only."""
-    from reshard.formats.zarr_store import is_url
+    from reshard.formats.zarr.store import is_url
 
     if is_url(src):
-        from reshard.formats.zarr_remote import _catalog
+        from reshard.formats.zarr.remote import _catalog
 
         return _catalog(src)
     from reshard.formats.registry import detect_format

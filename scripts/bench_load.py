@@ -191,7 +191,7 @@ def ensure_full_file(ckpt: Path) -> Path:
 
 
 def measure(row: str, args: argparse.Namespace, ckpt: Path, full_pt: Path, shapes: dict) -> list[dict[str, Any]]:
-    from reshard.world import run_world
+    from reshard.runtime.world import run_world
 
     with tempfile.TemporaryDirectory(prefix="bench-load-") as out:
         run_world(run_row, args.nproc, row, str(ckpt), str(full_pt), args.max_memory, shapes, out,

@@ -162,7 +162,7 @@ def _local(root: Path) -> None:
 
 
 def write_variants(root: Path) -> None:
-    from reshard.world import run_world
+    from reshard.runtime.world import run_world
 
     run_world(_world, 2, str(root))
     with warnings.catch_warnings():

@@ -62,7 +62,7 @@ def test_convert_then_verify_exit_codes(fsdp2_dcp, tmp_path: Path) -> None:
     again = reshard("convert", fsdp2_dcp[0], out)
     assert_one_line_error(again, str(out), "--overwrite")
     # Flip one element of the copy: verify must say which tensor differs and exit 1.
-    from reshard.formats.dcp import DCPFormat
+    from reshard.formats.dcp.format import DCPFormat
 
     from reshard.regions import as_region
 

@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from reshard.boxes import full_box
 from reshard.errors import ReshardError, UnsafeCheckpointError, UnsupportedFormatError
-from reshard.formats.dcp_metadata import DCPIndex, load_dcp_index
-from reshard.formats.safetensors import SafetensorsFormat
-from reshard.formats.safetensors_header import Header, read_header
+from reshard.formats.dcp.metadata import DCPIndex, load_dcp_index
+from reshard.formats.safetensors.format import SafetensorsFormat
+from reshard.formats.safetensors.header import Header, read_header
 from reshard.regions import StoredRegion
 
 FUZZ = settings(

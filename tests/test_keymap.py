@@ -18,8 +18,8 @@ import reshard
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import UsageError
-from reshard.keymap import PRESETS, Drop, load_keymap
-from reshard.keymap_chunks import read_box
+from reshard.keymap.maps import PRESETS, Drop, load_keymap
+from reshard.keymap.chunks import read_box
 from reshard.regions import StoredRegion
 from tests.test_cli import assert_one_line_error, reshard as run_cli
 
@@ -285,7 +285,7 @@ def test_grouped_experts_unstack_to_hf_and_stack_back(tmp_path: Path, era: str) 
 
 
 def test_family_comes_from_the_config_or_the_names() -> None:
-    from reshard.keymap import titan_family
+    from reshard.keymap.maps import titan_family
 
     def cat(names: list[str], config: dict | None = None) -> Catalog:
         c = Catalog("dcp", Path("x"))

@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 import reshard
 from reshard.boxes import full_box
 from reshard.errors import UsageError
-from reshard.keymap import KeyMap, Split
-from reshard.keymap_chunks import read_box
-from reshard.keymap_megatron import MegatronToHF
-from reshard.keymap_patterns import Pattern, Replacement
+from reshard.keymap.maps import KeyMap, Split
+from reshard.keymap.chunks import read_box
+from reshard.keymap.megatron import MegatronToHF
+from reshard.keymap.patterns import Pattern, Replacement
 from reshard.regions import as_region
 
 HEADS, GROUPS, HD, DIM = 6, 2, 4, 5

@@ -17,7 +17,7 @@ from reshard.catalog import Catalog, Chunk, ChunkData, TensorEntry
 from reshard.convert import excluded
 from reshard.engine import assemble
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.keymap_chunks import read_box
+from reshard.keymap.chunks import read_box
 from reshard.plan import sources_for
 from reshard.provenance import CONFIG_OBJECT, carry_hf_configs
 from reshard.quant import dequantized, find_quantized, quant_method, unpaired

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import reshard
 from reshard.errors import CheckpointNotFoundError, ReshardError, UsageError
 from reshard.example import TinyNet, full_reference
-from reshard.runtime import StateDictMismatchError
+from reshard.runtime.load import StateDictMismatchError
 from tests.dist import run_world
 
 MISSING_SOURCE = "/nonexistent/reshard-test/model.safetensors"

@@ -10,8 +10,8 @@ import torch
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import CorruptCheckpointError
-from reshard.runtime_plan import StateDictMismatchError, make_load_plan
-from reshard.runtime_targets import SlotMeta, make_slots, storage_aliases
+from reshard.runtime.plan import StateDictMismatchError, make_load_plan
+from reshard.runtime.targets import SlotMeta, make_slots, storage_aliases
 
 
 def _catalog(shapes: dict[str, tuple[int, ...]], paths: dict | None = None, holes: str | None = None) -> Catalog:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
-from reshard.safe_pickle import safe_loads
+from reshard.safe_pickle.unpickler import safe_loads
 
 
 class _Evil:
@@ -38,7 +38,7 @@ def test_protocol_2_bytes_and_sets_load_as_torch_save_writes_them(tmp_path: Path
     becomes __builtin__.bytes(), sets __builtin__.set. A real torch.save file, read by our reader."""
     import torch
 
-    from reshard.formats.torch_zip import read_torch_zip
+    from reshard.formats.torch.zip import read_torch_zip
 
     value = {"b": b"abc\x00\xff", "e": b"", "ba": bytearray(b"xy"), "s": {1, 2}, "fs": frozenset([3]), "w": torch.ones(2)}
     path = tmp_path / "objects.pt"
@@ -70,7 +70,7 @@ def test_common_values_are_built_as_their_own_types() -> None:
 
     import numpy as np
 
-    from reshard.pickle_types import VALUE_GLOBALS
+    from reshard.safe_pickle.value_types import VALUE_GLOBALS
     from reshard.values import difference
 
     rs = np.random.RandomState(3)
@@ -116,7 +116,7 @@ def test_numpy_and_collections_take_data_only(case: str) -> None:
     from numpy._core.multiarray import _reconstruct
     from numpy.random._pickle import __bit_generator_ctor as bit_generator_ctor
 
-    from reshard.pickle_types import VALUE_GLOBALS
+    from reshard.safe_pickle.value_types import VALUE_GLOBALS
 
     bad_dtype = _Reduce(np.dtype, ("V8", False, True), (3, "|", None, ("a",), {"a": (np.dtype("O"), 1000)}, 8, 1, 63))
     mt = np.random.MT19937(0)
@@ -155,7 +155,7 @@ def test_a_global_cannot_be_changed_by_build() -> None:
     load in the process; every global handed out is sealed."""
     import argparse
 
-    from reshard.pickle_types import VALUE_GLOBALS
+    from reshard.safe_pickle.value_types import VALUE_GLOBALS
 
     for target in (b"cargparse\nNamespace\n", b"c_codecs\nencode\n", b"ccollections\nCounter\n"):
         payload = b"\x80\x02" + target + b"N}X\x07\x00\x00\x00__new__K\x01s\x86b."  # BUILD (None, {"__new__": 1})
@@ -188,7 +188,7 @@ def _pickled_unknown() -> bytes:
 
 
 def test_a_class_nobody_allowed_is_named_with_the_way_to_opt_in() -> None:
-    from reshard.pickle_types import VALUE_GLOBALS
+    from reshard.safe_pickle.value_types import VALUE_GLOBALS
 
     with pytest.raises(UnsafeCheckpointError) as e:
         safe_loads(_pickled_unknown(), VALUE_GLOBALS, origin="ckpt.pt", stand_ins=True)
@@ -202,10 +202,10 @@ def test_allowed_classes_are_inert_and_pickle_back_under_their_names() -> None:
     import pickletools
     import sys
 
-    from reshard.formats.torch_zip_write import torch_pickle
-    from reshard.inert import Inert
-    from reshard.pickle_types import VALUE_GLOBALS
-    from reshard.safe_pickle import allow_classes, allowed_classes
+    from reshard.formats.torch.zip_write import torch_pickle
+    from reshard.safe_pickle.inert import Inert
+    from reshard.safe_pickle.value_types import VALUE_GLOBALS
+    from reshard.safe_pickle.unpickler import allow_classes, allowed_classes
 
     assert allowed_classes() == frozenset()
     with allow_classes(["no_such_pkg.conf.Config", "no_such_pkg.conf:make"]):
@@ -228,7 +228,7 @@ def test_allowed_classes_are_inert_and_pickle_back_under_their_names() -> None:
 
 def test_code_execution_primitives_cannot_be_allowed() -> None:
     from reshard.errors import UsageError
-    from reshard.safe_pickle import allow_classes, refusal_message
+    from reshard.safe_pickle.unpickler import allow_classes, refusal_message
 
     for name in ("os.system", "posix.system", "builtins.eval", "subprocess.Popen", "torch.load", "importlib.import_module"):
         with pytest.raises(UsageError, match="can run code when loaded"):
@@ -239,9 +239,9 @@ def test_code_execution_primitives_cannot_be_allowed() -> None:
 
 
 def test_deferred_placeholders_absorb_everything_and_call_nothing(tmp_path: Path) -> None:
-    from reshard.inert import Refused, is_refused
-    from reshard.pickle_types import VALUE_GLOBALS
-    from reshard.safe_pickle import safe_loads_deferred
+    from reshard.safe_pickle.inert import Refused, is_refused
+    from reshard.safe_pickle.value_types import VALUE_GLOBALS
+    from reshard.safe_pickle.unpickler import safe_loads_deferred
 
     marker = tmp_path / "pwned"
     value = {"x": _Evil(marker), "ok": [1, {2}], "inside": [_Reduce(bytearray, (_Evil(marker),))]}

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import reshard
 from reshard.example import TinyNet
-from reshard.mesh_report import summarize_for_mesh
+from reshard.mesh.report import summarize_for_mesh
 from tests.dist import run_world
 
 LR = 0.0123  # what the scheduler left in the optimizer: a value no fresh optimizer has

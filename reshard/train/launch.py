@@ -1,6 +1,6 @@
 """Start the training loop on N ranks: spawned here, or as one rank of a torchrun job.
 
-``reshard train --nproc N`` spawns the ranks itself through ``reshard.world.run_world`` (a
+``reshard train --nproc N`` spawns the ranks itself through ``reshard.runtime.world.run_world`` (a
 ``file://`` rendezvous in a temp dir, deadlines, the failing rank's traceback re-raised).
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank and joins the job's
 ``env://`` rendezvous. The backend is gloo on CPU; NCCL when every rank has its own GPU.
@@ -74,7 +74,7 @@ def _run_rank(rank: int, world_size: int, fn: Any, args: tuple, tmp: str, cuda: 
 def spawn(fn: Any, nproc: int, *args: Any, device: str = "auto", timeout: float = 3600.0) -> Any:
     """Run ``fn(*args)`` on ``nproc`` spawned ranks (``fn`` module-level); rank 0's JSON-able
     return value."""
-    from reshard.world import run_world
+    from reshard.runtime.world import run_world
 
     cuda = _use_cuda(nproc, device)
     with tempfile.TemporaryDirectory(prefix="reshard-train-") as tmp:

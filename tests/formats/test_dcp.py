@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
-from reshard.formats.dcp import DCPFormat
+from reshard.formats.dcp.format import DCPFormat
 from tests.fixtures import full_tensor
 
 
@@ -107,7 +107,7 @@ def test_records_found_by_offsets_read_like_records_found_by_index(fsdp2_dcp, tm
     another order, take the general path: both give the same chunks, bytes and files."""
     from dataclasses import replace
 
-    from reshard.formats.dcp_metadata import load_dcp_index
+    from reshard.formats.dcp.metadata import load_dcp_index
 
     ckpt = _copy(fsdp2_dcp[0], tmp_path)
 

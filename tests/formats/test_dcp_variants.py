@@ -22,7 +22,7 @@ import torch
 import reshard
 from reshard.boxes import Box
 from reshard.catalog import ObjectTable
-from reshard.formats.dcp import DCPFormat
+from reshard.formats.dcp.format import DCPFormat
 from reshard.formats.registry import detect_format
 from tests.dcp_variants import MULTICHUNK_FULL, source_state_dict, write_variants
 from tests.test_cli import assert_one_line_error, reshard as cli

@@ -22,8 +22,8 @@ import reshard
 from reshard.boxes import full_box
 from reshard.conventions import OPTIM_GROUP, OTHER, PARAM, detect_layout
 from reshard.errors import CorruptCheckpointError
-from reshard.formats.deepspeed_zero import zero3_params, zero12_params
-from reshard.keymap_chunks import read_box
+from reshard.formats.deepspeed.zero import zero3_params, zero12_params
+from reshard.keymap.chunks import read_box
 from tests.schema import check
 from tests.test_cli import assert_one_line_error, reshard as cli
 

@@ -12,8 +12,8 @@ import torch
 
 from reshard.boxes import Box, contiguous_range, tiles_exactly
 from reshard.errors import CorruptCheckpointError
-from reshard.formats.flat import FlatBuffer, flat_boxes, fragment_chunks
-from reshard.keymap_chunks import read_box
+from reshard.formats.deepspeed.flat import FlatBuffer, flat_boxes, fragment_chunks
+from reshard.keymap.chunks import read_box
 from reshard.catalog import TensorEntry
 from reshard.regions import StoredRegion
 

@@ -16,8 +16,8 @@ import reshard
 from reshard.boxes import full_box
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, detect_layout
 from reshard.errors import UsageError
-from reshard.keymap import load_keymap
-from reshard.keymap_chunks import read_box
+from reshard.keymap.maps import load_keymap
+from reshard.keymap.chunks import read_box
 from tests.schema import check
 from tests.test_cli import assert_one_line_error, reshard as cli
 

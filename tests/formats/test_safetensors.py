@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
-from reshard.formats.safetensors import INDEX_NAME, SafetensorsFormat
+from reshard.formats.safetensors.format import INDEX_NAME, SafetensorsFormat
 from tests.formats.safetensors_cases import BROKEN, raw_file, reference, same, whole_target, write_layout
 
 FMT = SafetensorsFormat()

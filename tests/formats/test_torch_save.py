@@ -14,12 +14,12 @@ import reshard
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Target
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError, UsageError
-from reshard.formats import torch_ranks
+from reshard.formats.torch import ranks as torch_ranks
 from reshard.formats.registry import detect_format
-from reshard.formats.torch_ranks import TorchRanksFormat, rank_files
-from reshard.layout import shard_box
-from reshard.formats.torch_save import TorchSaveFormat, TorchSaveWriter, build_tree, flatten_tree
-from reshard.formats.torch_zip import DTensorRef, Record
+from reshard.formats.torch.ranks import TorchRanksFormat, rank_files
+from reshard.mesh.layout import shard_box
+from reshard.formats.torch.save import TorchSaveFormat, TorchSaveWriter, build_tree, flatten_tree
+from reshard.formats.torch.zip import DTensorRef, Record
 from reshard.plan import full_target
 from reshard.regions import StoredRegion
 from tests.dist import run_world
@@ -493,7 +493,7 @@ def _same_objects(got: Any, want: Any) -> None:
             return ("Generator", v.bit_generator.state)
         return v
 
-    from reshard.object_walk import replace_in
+    from reshard.safe_pickle.walk import replace_in
 
     why = difference(replace_in(got, plain), replace_in(want, plain))
     assert why is None, why
@@ -563,10 +563,10 @@ def _unimportable_module() -> Any:
 def test_allowed_classes_round_trip_under_their_own_names(tmp_path: Path) -> None:
     import sys
 
-    from reshard.formats.torch_zip import load_object_blob
-    from reshard.formats.torch_zip_write import torch_save_bytes
-    from reshard.inert import Inert
-    from reshard.safe_pickle import allow_classes
+    from reshard.formats.torch.zip import load_object_blob
+    from reshard.formats.torch.zip_write import torch_save_bytes
+    from reshard.safe_pickle.inert import Inert
+    from reshard.safe_pickle.unpickler import allow_classes
 
     module = _unimportable_module()
     present = {"no_such_pkg": type(sys)("no_such_pkg"), "no_such_pkg.conf": module}

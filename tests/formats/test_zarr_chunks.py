@@ -14,7 +14,7 @@ import torch
 import reshard
 from reshard.boxes import Box
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.zarr import ZarrFormat
+from reshard.formats.zarr.format import ZarrFormat
 from tests.fixtures import full_tensor
 
 zarr = pytest.importorskip("zarr")
@@ -99,7 +99,7 @@ def test_compression_without_numcodecs_says_what_to_install(monkeypatch: pytest.
     import sys
 
     from reshard.errors import UsageError
-    from reshard.formats.zarr_chunks import compress
+    from reshard.formats.zarr.chunks import compress
 
     monkeypatch.setitem(sys.modules, "numcodecs", None)  # as if zarr-python were not installed
     with pytest.raises(UsageError, match=r"pip install numcodecs"):

@@ -12,7 +12,7 @@ import torch
 
 import reshard
 from reshard.errors import OutputExistsError, UsageError
-from reshard.formats import zarr_remote
+from reshard.formats.zarr import remote as zarr_remote
 
 zarr = pytest.importorskip("zarr")
 fsspec = pytest.importorskip("fsspec")
@@ -38,7 +38,7 @@ def test_memory_url_write_then_read(src, tmp_path: Path) -> None:
         assert [c["name"] for c in meta["codecs"]] == (["bytes", "zstd"] if compress else ["bytes"])
         # zarr-python reads the arrays of native dtypes straight from the URL
         assert np.array_equal(zarr.open_array(f"{url}/model.w", mode="r")[...], tensors["model.w"].numpy())
-        catalog = reshard.formats.zarr.ZarrFormat().read(url)  # chunks fetched through fsspec
+        catalog = reshard.formats.zarr.format.ZarrFormat().read(url)  # chunks fetched through fsspec
         assert catalog.objects == {"step": 3} and catalog.path == url
         back = tmp_path / f"back{int(compress)}.pt"
         reshard.convert(url, back, quiet=True)  # memory:// source -> local file
@@ -72,7 +72,7 @@ def test_unfinished_remote_write_is_no_store(src, monkeypatch) -> None:
     fs = fsspec.filesystem("memory")
     assert not fs.exists("/reshard-test/broken.zarr/zarr.json")  # readers see no store
     with pytest.raises(reshard.ReshardError, match="no zarr.json at the root"):
-        reshard.formats.zarr.ZarrFormat().read(url)
+        reshard.formats.zarr.format.ZarrFormat().read(url)
     monkeypatch.setattr(zarr_remote, "_put_chunk", real)
     with pytest.raises(OutputExistsError, match="unfinished write"):
         reshard.convert(path, url, quiet=True)

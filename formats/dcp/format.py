@@ -1,0 +1,250 @@
+"""torch.distributed.checkpoint directories: ``.metadata`` plus ``__{rank}_{n}.distcp`` files.
+
+Reading: ``.metadata`` (or, saved with ``use_collectives=False``, every ``__{rank}.metadata``
+merged: ``dcp.ranks``) is loaded without trusting it (``dcp_metadata``), then every record is
+placed and checked (``dcp_records``): a torch.save zip, whose payload record is raw bytes we
+read or kernel-copy directly; a zstd frame around one (``dcp_zstd``, decompressed as a stream
+on read); or a tensor of the safetensors blob torch writes with
+``SerializationFormat.SAFETENSORS`` (``dcp_safetensors``), again raw bytes at a known offset.
+Objects are unpickled (by the allow-list unpickler) only when something asks for them, so a
+conversion that keeps the model never reads the optimizer's or the data loader's pickles.
+
+Writing: we write the default form, so torch's own ``dcp.load`` and ``dcp_to_torch_save``
+read our output; ``.metadata`` is written last, which is what makes a DCP folder look complete.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from reshard.boxes import Box
+from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, Target, TensorEntry
+from reshard.errors import CorruptCheckpointError
+from reshard.formats.dcp.metadata import ChunkTable, DCPIndex, StorageRecord, load_dcp_index
+from reshard.formats.dcp.metadata_write import ChunkRecord, TensorRecord, metadata_bytes
+from reshard.formats.dcp.ranks import CheckedCopies, rank_metadata_files, same_bytes
+from reshard.formats.dcp.records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record
+from reshard.formats.dcp.zstd import ZstdChunk, load_zstd_object
+from reshard.formats.pieces import FileLayout, Piece
+from reshard.formats.torch.zip import load_object_blob, read_torch_zip
+from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
+from reshard.regions import StoredRegion
+from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
+
+__all__ = ["DCPFormat", "DCPWriter"]
+
+_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def _copies(index: DCPIndex, name: str, rec: StorageRecord, box: Box | None = None, dtype: torch.dtype | None = None
+            ) -> list[Item]:
+    """The item and, when several ranks wrote it (use_collectives=False), the others' copies."""
+    return [Item(name, r, box, dtype) for r in [rec, *index.copies.get((name, box.offsets if box else ()), [])]]
+
+
+def _items(index: DCPIndex) -> list[Item]:
+    """Every record to place: each chunk that holds elements and each object, every rank's copy."""
+    items = []
+    for name, (_, dtype, chunks) in index.tensors.items():
+        for box, rec in chunks:
+            if box.numel:  # empty shards (more ranks than rows) hold no bytes worth reading
+                items += _copies(index, name, rec, box, dtype)
+    for name, rec in index.objects.items():
+        items += _copies(index, name, rec)
+    return items
+
+
+def _chunk_data(root: Path, it: Item, placed: Placed, path: Path | None = None) -> ChunkData:
+    path = path or root / it.rec.relpath
+    where = f"{path}: {it.describe()}"
+    if placed.kind == ZSTD:
+        return ZstdChunk(path, it.rec.offset, it.rec.length, it.dtype, it.box.sizes, where)
+    if placed.kind != ZIP:
+        return placed.region
+    region = read_torch_zip(path, it.rec.offset, it.rec.length)
+    if not isinstance(region, StoredRegion):
+        raise CorruptCheckpointError(f"{where} holds {type(region).__name__}, not a tensor")
+    if region.shape != it.box.sizes or region.dtype != it.dtype:
+        raise CorruptCheckpointError(
+            f"{where} stores {region.dtype} {list(region.shape)}, metadata says {it.dtype} {list(it.box.sizes)}"
+        )
+    return region
+
+
+def _lazy_object(root: Path, name: str, rec: StorageRecord) -> Callable[[], Any]:
+    it = Item(name, rec)
+    return lambda: _object_loader(root, it, Placed(sniff_record(root / rec.relpath, it, allow_blob=False)))()
+
+
+def _object_loader(root: Path, it: Item, placed: Placed) -> Callable[[], Any]:
+    path, rec = root / it.rec.relpath, it.rec
+    if placed.kind == ZSTD:
+        return lambda: load_zstd_object(path, rec.offset, rec.length, f"{path}: {it.describe()}")
+    return lambda: load_object_blob(path, rec.offset, rec.length, lambda r: r.read_all())
+
+
+class _LazyChunk:
+    """A chunk's record, read the first time its bytes are wanted: the torch.save archive (or
+    zstd frame around one) is located and checked against ``.metadata`` then. Reading every
+    archive's header up front would cost a read per chunk before ``inspect`` could print."""
+
+    __slots__ = ("path", "name", "rec", "box", "dtype", "_data")
+
+    def __init__(self, path: Path, name: str, rec: StorageRecord, box: Box, dtype: torch.dtype) -> None:
+        self.path, self.name, self.rec, self.box, self.dtype, self._data = path, name, rec, box, dtype, None
+
+    def resolve(self) -> ChunkData:
+        if self._data is None:
+            it = Item(self.name, self.rec, self.box, self.dtype)
+            kind = sniff_record(self.path, it, allow_blob=False)
+            self._data = _chunk_data(self.path.parent, it, Placed(kind), self.path)
+        return self._data
+
+    def region(self) -> StoredRegion | None:
+        data = self.resolve()
+        return data if isinstance(data, StoredRegion) else None
+
+    def read(self, box: Box) -> torch.Tensor:
+        return self.resolve().read(box)
+
+
+def _lazy_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, table: ChunkTable,
+                file_paths: list[Path]) -> TensorEntry:
+    """``file_paths``: the folder's data files as paths, made once for all tensors (a path per
+    chunk cost more than the rest of planning)."""
+    rows = table.nonempty()
+
+    def make(i: int, box: Box) -> ChunkData:
+        k = int(rows[i])
+        return _LazyChunk(file_paths[table.file[k]], name, table.record(k), box, dtype)
+
+    def paths() -> set[Path]:
+        return {file_paths[f] for f in np.unique(table.file[rows]).tolist()}
+
+    return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make, paths)
+
+
+def _fast_path(root: Path, index: DCPIndex, records: RecordColumns) -> bool:
+    """Whether records can be read lazily: every rank wrote its own (no copies), no two records
+    of a file start at one byte, and each file's first tensor record is a torch.save archive
+    or a zstd frame (not the safetensors blob of SerializationFormat.SAFETENSORS, whose shared
+    offsets need the blob's header read up front: ``place_records``). One read per file."""
+    if index.copies or records.shared_starts():
+        return False
+    first = records.first_tensor_record()
+    return all(sniff_record(root / index.files[f], records.item(k)) != BLOB for f, k in first.items())
+
+
+class DCPFormat:
+    name = "dcp"
+
+    def detect(self, path: Path) -> bool:
+        return path.is_dir() and ((path / ".metadata").is_file() or bool(rank_metadata_files(path)))
+
+    def read(self, path: Path) -> Catalog:
+        index = load_dcp_index(path)
+        catalog = Catalog(format=self.name, path=path)
+        if index.containers:
+            catalog.paths = {n: from_dcp_path(p, index.containers) for n, p in index.paths.items()}
+            catalog.attrs[CONTAINERS_ATTR] = index.containers
+        else:
+            catalog.paths = index.paths
+        for name in index.tensors:  # columns for every tensor (merged rank files come as lists)
+            index.table(name)
+        ranks = {int(m.group(1)) for f in index.files if (m := _DATA_FILE.fullmatch(f))}
+        if ranks:
+            catalog.attrs["source_world_size"] = max(ranks) + 1
+        records = RecordColumns(index)
+        if _fast_path(path, index, records):
+            records.check(path)
+            file_paths = [path / f for f in index.files]
+            for name, (shape, dtype, _) in index.tensors.items():
+                catalog.tensors[name] = _lazy_entry(name, shape, dtype, index.table(name), file_paths)
+            catalog.objects = ObjectTable({name: _lazy_object(path, name, rec) for name, rec in index.objects.items()})
+            return catalog
+        placed = place_records(path, _items(index))
+        for name, (shape, dtype, chunks) in index.tensors.items():
+            entry = TensorEntry(name, shape, dtype)
+            for box, rec in chunks:
+                if box.numel == 0:
+                    continue
+                data = [(_chunk_data(path, it, placed[it]), path / it.rec.relpath) for it in _copies(index, name, rec, box, dtype)]
+                entry.chunks.append(Chunk(box, data[0][0] if len(data) == 1 else CheckedCopies(data, name)))
+            catalog.tensors[name] = entry
+        loaders = {}
+        for name, rec in index.objects.items():
+            first, *others = _copies(index, name, rec)
+            loaders[name] = _object_loader(path, first, placed[first])
+            if others:
+                loaders[name] = same_bytes(path, name, [it.rec for it in (first, *others)], loaders[name])
+        catalog.objects = ObjectTable(loaders)
+        return catalog
+
+    def writer(self, dst: Path, **options: Any) -> DCPWriter:
+        return DCPWriter()
+
+
+class DCPWriter:
+    """One ``__{rank}_0.distcp`` per target rank holding the boxes the target assigns to that
+    rank; objects in rank 0's file."""
+
+    output_is_dir = True
+
+    def __init__(self) -> None:
+        self._records: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
+        self._blobs: dict[tuple[torch.dtype, tuple[int, ...]], tuple[list, int]] = {}
+
+    def layout(self, target: Target) -> list[FileLayout]:
+        files = [FileLayout(f"__{r}_0.distcp") for r in range(target.world_size)]
+        sizes = [0] * target.world_size
+        self._records.clear()
+
+        def add(rank: int, key: tuple[str, tuple[int, ...]], segments: list) -> None:
+            length = sum(s.nbytes if isinstance(s, Piece) else len(s) for s in segments)
+            self._records[key] = (files[rank].relpath, sizes[rank], length)
+            files[rank].segments.extend(segments)
+            sizes[rank] += length
+
+        for t in target.tensors.values():
+            for box, rank in zip(t.boxes, t.ranks):
+                add(rank, (t.name, box.offsets), self._blob(Piece(t.name, box, t.dtype)))
+        for name, value in target.objects.items():
+            # What torch.save writes, without torch.save's imports: an opted-in class (an inert
+            # stand-in) is written back under its own name (reshard.safe_pickle.unpickler.allow_classes).
+            add(0, (name, ()), [torch_save_bytes(value)])
+        # A rank that stores nothing (its shards are replicas kept by others) gets no file.
+        return [f for i, f in enumerate(files) if f.segments or i == 0]
+
+    def _blob(self, piece: Piece) -> list:
+        """The torch.save archive around one chunk. Its header bytes depend only on the
+        chunk's dtype and shape (offsets inside a blob are blob-relative), and a mesh layout
+        has thousands of chunks of a few shapes: build each kind once, then swap the piece in."""
+        key = (piece.dtype, piece.box.sizes)
+        if key not in self._blobs:
+            segments = torch_save_segments(PieceRef("0", piece.dtype, piece.box.sizes), {"0": piece})
+            self._blobs[key] = (segments, next(i for i, s in enumerate(segments) if s is piece))
+            return segments
+        segments, at = self._blobs[key]
+        return [*segments[:at], piece, *segments[at + 1:]]
+
+    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+        tensors = {}
+        for t in target.tensors.values():
+            chunks = tuple(ChunkRecord(b.offsets, b.sizes, *self._records[(t.name, b.offsets)]) for b in t.boxes)
+            tensors[t.name] = TensorRecord(t.dtype, t.shape, chunks)
+        objects = {name: self._records[(name, ())] for name in target.objects}
+        # Paths as torch's dcp.save spells them (dict keys as strings), so torch's readers
+        # rebuild what they would from their own save; the int keys and tuples it cannot
+        # express ride beside them, for reshard's reader.
+        containers = dict(target.attrs.get(CONTAINERS_ATTR) or {})
+        planner_data = {name: dcp_path(target.nested_path(name), containers) for name in (*tensors, *objects)}
+        (staging / ".metadata").write_bytes(metadata_bytes(tensors, objects, planner_data, containers))
+
+    def notices(self, target: Target) -> list[str]:
+        return []

@@ -1,0 +1,187 @@
+"""``--to hf``: a folder transformers' ``from_pretrained`` loads as is.
+
+Two steps, because an HF folder holds less than a training checkpoint and under other names:
+
+1. ``export_catalog`` keeps the model tensors only (optimizer and training state are dropped,
+   with a notice), removes the checkpoint's model section (whatever its tool calls it), maps
+   torchtitan names to HF names when it finds them (the ``titan-to-hf`` key map of the model's
+   family: q/k permutation, grouped experts, buffers HF lacks; or the map its reader recorded,
+   ``megatron-to-hf`` for Megatron-Core), finds the config (``--config``,
+   carried from an HF source, or built from ``train.model_config``; none is an error), the
+   tokenizer and other side files (``--hf-assets``, or the source folder), and writes tied
+   embeddings once, the HF way: ``lm_head.weight`` is left out when ``tie_word_embeddings``
+   is set, after checking it equals the embedding.
+2. ``HFWriter`` is the safetensors writer with the Hub's conventions: ``model.safetensors`` or
+   ``model-0000i-of-0000n.safetensors`` shards of ``--max-shard-size`` (5GB by default) with
+   ``model.safetensors.index.json``, ``{"format": "pt"}`` metadata, then ``config.json``, the
+   side files, ``generation_config.json`` and a README model card.
+
+Reading an HF folder is the safetensors format's job (detection stays there).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from reshard.boxes import Box
+from reshard.catalog import Catalog, TensorEntry, Target
+from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
+from reshard.errors import UsageError
+from reshard.formats.hf.files import (ASSET_FILES, find_assets, generation_config, llama_config, model_card, with_dtype,
+                                      write_json, written_dtype)
+from reshard.formats.pieces import FileLayout
+from reshard.formats.safetensors.format import SafetensorsFormat, SafetensorsWriter
+from reshard.keymap.maps import load_keymap, titan_family
+from reshard.keymap.chunks import read_box
+from reshard.provenance import hf_configs, training_config
+from reshard.sizes import parse_size
+
+__all__ = ["HFFormat", "HFWriter", "export_catalog", "same_values"]
+
+_HUB_SHARD_SIZE = "5GB"
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def same_values(a: TensorEntry, b: TensorEntry, max_bytes: int) -> bool:
+    """Bit equality of two tensors, compared in row blocks so memory stays under ``max_bytes``."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.shape:
+        return torch.equal(read_box(a, Box((), ())).view(-1), read_box(b, Box((), ())).view(-1))
+    row = max(1, a.nbytes // max(1, a.shape[0]))
+    step = max(1, max_bytes // (2 * row))
+    for start in range(0, a.shape[0], step):
+        box = Box((start,) + (0,) * (len(a.shape) - 1), (min(step, a.shape[0] - start),) + a.shape[1:])
+        x, y = read_box(a, box), read_box(b, box)
+        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            return False
+    return True
+
+
+def _model_tensors(catalog: Catalog, layout: Layout) -> tuple[dict[str, TensorEntry], list[str]]:
+    """(HF name -> entry) of the model's tensors, and what was left out, in words."""
+    kept: dict[str, TensorEntry] = {}
+    optim, other = 0, []
+    for name, entry in catalog.tensors.items():
+        p = layout.place(name)
+        if p.role == PARAM and p.fqn is not None:
+            kept[p.fqn] = entry.renamed(p.fqn)
+        elif p.role in (OPTIM_STATE, OPTIM_GROUP):
+            optim += 1
+        else:
+            other.append(name)
+    notices = []
+    if optim:
+        notices.append(f"{optim} optimizer state tensors left out: an HF folder holds model weights only")
+    if other:
+        notices.append(f"{len(other)} tensors outside the model section left out (e.g. {other[0]!r})")
+    return kept, notices
+
+
+def _source_assets(catalog: Catalog) -> dict[str, Path]:
+    """HF -> HF: the tokenizer and friends of the source folder travel by default."""
+    folder = catalog.path if catalog.path.is_dir() else catalog.path.parent
+    if not (folder / "config.json").is_file():
+        return {}
+    return {name: folder / name for name in ASSET_FILES if (folder / name).is_file()}
+
+
+def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str | None = None,
+                   weights_only: bool = False) -> Catalog:
+    """The catalog an HF folder is written from: HF names, model tensors only, config and the
+    side files (tokenizer, chat template, generation config) in attrs.
+
+    The config comes from ``--config`` (already in ``catalog.attrs``, see ``convert``), the HF
+    folder the checkpoint came from, or the project's training config; with none, the export
+    is refused (a folder transformers cannot load is not an export) unless ``weights_only``.
+    """
+    train = training_config(catalog)
+    config, gen = hf_configs(catalog)
+    titan = load_keymap("titan-to-hf")
+    notices: list[str] = []
+    layout = detect_layout(catalog)
+    fqns = [p.fqn for n in catalog.tensors if (p := layout.place(n)).role == PARAM and p.fqn is not None]
+    preset = catalog.attrs.get("hf_keymap")  # the map to HF names a reader recorded (Megatron's)
+    if isinstance(preset, str):
+        catalog = load_keymap(preset).apply(catalog)
+        notices.append(f"renamed {catalog.format} names to HF names ({preset} key map)")
+        layout = detect_layout(catalog)
+    elif any((r := titan.route(fqn)) is not None and r.names != (fqn,) for fqn in fqns):
+        catalog = titan.apply(catalog)  # torchtitan names (and our training model's): to HF names
+        notices.append(f"renamed torchtitan names to HF names (titan-to-hf key map, {titan_family(catalog)} family)")
+        layout = detect_layout(catalog)
+    tensors, dropped = _model_tensors(catalog, layout)
+    notices += dropped
+    if config is None and train is not None:
+        tie = bool(train.get("tie_embeddings", False))
+        config = llama_config(train, tie=tie)
+    left = [n for n in catalog.objects if not n.startswith(("hf.", "train.model_config."))]
+    if left:
+        notices.append(f"{len(left)} non-tensor objects (step counters, optimizer settings...) left out")
+    if config is None and not weights_only:
+        raise UsageError(f"{catalog.path} records no model config, so transformers could not load the export: give "
+                         "--config CONFIG.json|HF_DIR|REPO_ID (and --hf-assets DIR|REPO_ID for the tokenizer), "
+                         "or --weights-only for the safetensors alone")
+    if config is not None and config.get("tie_word_embeddings") and _EMBED in tensors and _HEAD in tensors:
+        if not same_values(tensors[_EMBED], tensors[_HEAD], max_memory):
+            raise UsageError(f"{catalog.path}: config ties the embeddings (tie_word_embeddings) but {_HEAD} differs "
+                             f"from {_EMBED}; set tie_word_embeddings to false in the config or fix the checkpoint")
+        del tensors[_HEAD]  # transformers re-ties it on load, as save_pretrained leaves it out
+    files = find_assets(assets) if assets is not None else _source_assets(catalog)
+    if config is not None and gen is None and "generation_config.json" not in files:
+        gen = generation_config(config)
+    if weights_only:
+        config, gen, files = None, None, {}
+    attrs: dict[str, Any] = {
+        "hf_config": config, "hf_generation_config": gen, "hf_notices": notices, "hf_assets": files,
+        "hf_source": f"the {catalog.format} checkpoint `{catalog.path.name}`",
+    }
+    return Catalog(catalog.format, catalog.path, tensors=tensors, attrs=attrs, notices=list(catalog.notices))
+
+
+class HFFormat:
+    """A write target only: HF folders are detected and read as safetensors."""
+
+    name = "hf"
+
+    def detect(self, path: Path) -> bool:
+        return False
+
+    def read(self, path: Path) -> Catalog:
+        return SafetensorsFormat().read(path)
+
+    def writer(self, dst: Path, *, max_shard_size: int | str | None = None, **options: Any) -> HFWriter:
+        return HFWriter(dst, max_shard_size=None if max_shard_size is None else parse_size(max_shard_size))
+
+
+class HFWriter(SafetensorsWriter):
+    """Safetensors shards as ``save_pretrained`` names them, plus the folder's side files."""
+
+    def __init__(self, dst: Path, *, max_shard_size: int | None = None) -> None:
+        super().__init__(dst, max_shard_size=max_shard_size or parse_size(_HUB_SHARD_SIZE))
+        self.dst = Path(dst)
+
+    def layout(self, target: Target) -> list[FileLayout]:
+        if "hf_source" not in target.attrs:
+            raise UsageError("--to hf output must be prepared by reshard.formats.hf.format.export_catalog (use reshard.convert)")
+        return super().layout(target)
+
+    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+        if len(files) > 1:  # like save_pretrained: an index only when there are several shards
+            super().finish(staging, target, files)
+        config, gen = target.attrs.get("hf_config"), target.attrs.get("hf_generation_config")
+        if config is not None:
+            write_json(staging / "config.json", with_dtype(config, written_dtype(target)))
+        for name, source in (target.attrs.get("hf_assets") or {}).items():
+            shutil.copyfile(source, staging / name)  # tokenizer, chat template...: copied as they are
+        if gen is not None and not (staging / "generation_config.json").exists():
+            write_json(staging / "generation_config.json", gen)
+        if config is not None:
+            (staging / "README.md").write_text(model_card(self.dst.name, target, config, target.attrs["hf_source"], len(files)))
+
+    def notices(self, target: Target) -> list[str]:
+        return list(target.attrs.get("hf_notices", []))

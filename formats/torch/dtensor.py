@@ -1,0 +1,122 @@
+"""DTensors in torch.save pickles, read without building anything of torch.distributed.
+
+A DTensor pickles as ``_rebuild_from_type_v2(..., DTensor, ..., state)`` whose state holds its
+local tensor and a ``DTensorSpec`` (mesh, placements, tensor metadata). The classes it names
+are bound to sealed record classes that keep their arguments and BUILD state as data
+(``Record``), and ``dtensor_ref`` reads what reshard needs from them: the local shard, the
+global shape, the mesh shape, the rank's coordinate and the placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from reshard.errors import CorruptCheckpointError
+from reshard.safe_pickle.inert import Sealed
+from reshard.regions import StoredRegion
+
+__all__ = ["Record", "DTensorRef", "DTENSOR_CLASSES", "record_class", "dtensor_ref"]
+
+
+@dataclass
+class Record:
+    """Stand-in for a class we allow in a pickle but never instantiate (DTensor metadata):
+    it keeps the constructor arguments and the state, nothing runs."""
+
+    kind: str
+    args: tuple = ()
+    state: Any = None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def walk_children(self) -> list[Any]:
+        return [*self.args, self.state]
+
+    def remade(self, fn: Callable[[Any], Any]) -> Record:
+        return Record(self.kind, tuple(fn(a) for a in self.args), fn(self.state))
+
+
+def record_class(kind: str) -> type:
+    """A sealed class (shared by every load, so a pickle must not change it) whose
+    instances are Records."""
+
+    def __new__(cls: type, *args: Any) -> Record:
+        return Record(kind, args)
+
+    return Sealed(kind, (), {"__new__": __new__})
+
+
+@dataclass
+class DTensorRef:
+    """A DTensor found in a torch.save file: its local shard and what DTensor says of it."""
+
+    local: StoredRegion
+    global_shape: tuple[int, ...]
+    placements: tuple[Record, ...]
+    mesh_shape: tuple[int, ...]
+    coordinate: tuple[int, ...] | None
+    mesh_dim_names: tuple[str, ...] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+DTENSOR_CLASSES = {
+    ("torch.distributed.tensor", "DTensor"): "DTensor",
+    ("torch.distributed._tensor.api", "DTensor"): "DTensor",
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec"): "DTensorSpec",
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta"): "TensorMeta",
+    ("torch.distributed.tensor._dtensor_spec", "ShardOrderEntry"): "ShardOrderEntry",
+    ("torch.distributed.device_mesh", "DeviceMesh"): "DeviceMesh",
+    ("torch.distributed._mesh_layout", "_MeshLayout"): "_MeshLayout",
+    ("torch.distributed._mesh_layout", "_FlatLayout"): "_FlatLayout",
+    ("torch.distributed.tensor.placement_types", "Shard"): "Shard",
+    ("torch.distributed.tensor.placement_types", "Replicate"): "Replicate",
+    ("torch.distributed.tensor.placement_types", "Partial"): "Partial",
+    ("torch.distributed.tensor.placement_types", "_StridedShard"): "_StridedShard",
+}
+
+
+def dtensor_ref(where: str, wrapper: Any, state: dict) -> DTensorRef:
+    local, spec = state.get("_local_tensor"), state.get("_spec")
+    if not isinstance(local, StoredRegion) or not isinstance(spec, Record):
+        raise CorruptCheckpointError(f"{where}: DTensor without a local tensor or spec")
+    s = spec.state or {}
+    meta = s.get("tensor_meta")
+    global_shape = tuple(meta.args[0]) if isinstance(meta, Record) and meta.args else None
+    if global_shape is None and isinstance(wrapper, Record):
+        global_shape = wrapper.args[1]
+    mesh = s.get("mesh")
+    mstate = mesh.state if isinstance(mesh, Record) and isinstance(mesh.state, dict) else {}
+    layout = mstate.get("_layout")
+    mesh_shape: tuple[int, ...] = ()
+    if isinstance(layout, Record) and isinstance(layout.state, dict):
+        # One _FlatLayout per mesh dimension; a flattened dimension's shape is itself a tuple.
+        axes = layout.state.get("axes")
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        if axes and all(isinstance(a, Record) and isinstance(a.state, dict) for a in axes):
+            mesh_shape = tuple(_numel(a.state.get("shape", ())) for a in axes)
+    if not mesh_shape and isinstance(mstate.get("mesh"), StoredRegion):
+        mesh_shape = mstate["mesh"].shape
+    coord = mstate.get("_coordinate_on_dim")
+    order = s.get("shard_order")
+    return DTensorRef(
+        local=local,
+        global_shape=tuple(int(x) for x in global_shape),
+        placements=tuple(s.get("placements") or ()),
+        mesh_shape=tuple(int(x) for x in mesh_shape),
+        coordinate=tuple(coord) if coord is not None else None,
+        mesh_dim_names=mstate.get("_mesh_dim_names"),
+        extra={"shard_order": order} if order is not None else {},
+    )
+
+
+def _numel(shape: Any) -> int:
+    """Elements of a (possibly nested) int tuple, as DeviceMesh layouts store shapes."""
+    if isinstance(shape, int):
+        return shape
+    n = 1
+    for s in shape:
+        n *= _numel(s)
+    return n

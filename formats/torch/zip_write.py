@@ -1,0 +1,200 @@
+"""Writing torch.save's byte layout: an uncompressed zip of ``data.pkl`` and one record per
+storage, laid out as segments around payloads the engine streams in later (reading is
+``torch_zip``).
+
+CRC fields of streamed payloads are left 0, as torch's own
+``serialization.config.save.compute_crc32 = False`` writes them; torch's reader does not check
+them, and computing them would force every byte through user space.
+
+Stand-ins for classes the user allowed (``reshard.safe_pickle.inert``) are written back under their
+original global names, so the output loads wherever the input loaded. The C pickler can name
+a class only by importing its module, so a tree holding stand-ins is pickled by the
+pure-Python pickler, which writes those names itself; every other tree by the C one.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import io
+import pickle
+import struct
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from reshard import _torch_compat
+from reshard.errors import UnsafeCheckpointError
+from reshard.formats.pieces import Piece, Segment, segment_size
+from reshard.safe_pickle.inert import Inert, Refused
+from reshard.safe_pickle.walk import replace_in
+
+__all__ = ["PieceRef", "torch_pickle", "zip_segments", "torch_save_segments", "embed_tensors", "torch_save_bytes"]
+
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """Marks a tensor in an object tree handed to ``torch_pickle``: storage ``key`` holds it."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _reduce_piece(obj: PieceRef) -> tuple:
+    n = 1
+    for s in obj.shape:
+        n *= s
+    stride, acc = [], 1
+    for s in reversed(obj.shape):
+        stride.append(acc)
+        acc *= s
+    args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, torch.Size(obj.shape),
+            tuple(reversed(stride)), False, OrderedDict(), obj.dtype)
+    return (_torch_compat.rebuild_tensor_v3, args)
+
+
+class _HasStandins(Exception):
+    """The tree holds stand-ins: pickle it again with ``_StandinPickler``."""
+
+
+def _is_standin_class(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, (Inert, Refused)) and obj not in (Inert, Refused)
+
+
+class _TorchPickler(pickle.Pickler):
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageKey):
+            return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.nbytes)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, PieceRef):
+            return _reduce_piece(obj)
+        if isinstance(obj, (Inert, Refused)) or _is_standin_class(obj):
+            raise _HasStandins
+        return NotImplemented
+
+
+class _StandinPickler(pickle._Pickler):  # type: ignore[name-defined]
+    """The pure-Python pickler, for trees that hold stand-ins: a stand-in class is written as
+    the global the input named (Python 2 spellings restored, as pickle's protocol 2 does)."""
+
+    persistent_id = _TorchPickler.persistent_id
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _reduce_piece(obj) if isinstance(obj, PieceRef) else NotImplemented
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if not _is_standin_class(obj):
+            return super().save_global(obj, name)
+        if issubclass(obj, Refused):
+            raise UnsafeCheckpointError(f"{obj.refused} was never read (not allowed); it cannot be written")
+        module, qualname = obj.inert_module, obj.inert_qualname
+        if (module, qualname) in _compat_pickle.REVERSE_NAME_MAPPING:
+            module, qualname = _compat_pickle.REVERSE_NAME_MAPPING[(module, qualname)]
+        elif module in _compat_pickle.REVERSE_IMPORT_MAPPING:
+            module = _compat_pickle.REVERSE_IMPORT_MAPPING[module]
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
+        self.memoize(obj)
+
+
+@dataclass(frozen=True)
+class _StorageKey:
+    key: str
+    nbytes: int
+
+
+def torch_pickle(obj: Any) -> bytes:
+    """Pickle ``obj`` (containers, plain values, stand-ins, PieceRef) as torch.save's data.pkl would."""
+    buf = io.BytesIO()
+    try:
+        _TorchPickler(buf, protocol=2).dump(obj)
+    except _HasStandins:
+        buf = io.BytesIO()
+        _StandinPickler(buf, protocol=2).dump(obj)
+    return buf.getvalue()
+
+
+def embed_tensors(value: Any, records: dict[str, Segment]) -> Any:
+    """``value`` with every in-memory tensor (objects read from DCP byte items may hold
+    some, in any container or stand-in) replaced by a storage record of its bytes, as
+    torch.save would store it."""
+
+    def embed(item: Any) -> Any:
+        if not isinstance(item, torch.Tensor):
+            return item
+        t = item.detach().cpu().contiguous()
+        key = str(len(records))
+        records[key] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return PieceRef(key, t.dtype, tuple(t.shape))
+
+    return replace_in(value, embed)
+
+
+def torch_save_bytes(value: Any) -> bytes:
+    """What ``torch.save(value, buffer)`` writes, for a value read from a checkpoint (a DCP
+    byte object): tensors anywhere in it stored as records, stand-ins under their original
+    names (torch.save would import their modules to name them, or fail)."""
+    records: dict[str, Segment] = {}
+    tree = embed_tensors(value, records)
+    return b"".join(torch_save_segments(tree, records))  # type: ignore[arg-type]
+
+
+_DOS_DATE = (0, 33)  # 1980-01-01 00:00, as zip wants a date; torch writes the same zeros
+
+
+def zip_segments(records: list[tuple[str, Segment]], archive: str = "archive") -> list[Segment]:
+    """Lay out a stored (uncompressed) zip of ``records`` as segments, each payload starting
+    on a 64-byte boundary from the archive start (what torch.load(mmap=True) expects).
+    Zip64 fields are used where sizes or offsets pass 4 GiB."""
+    out: list[Segment] = []
+    central: list[bytes] = []
+    at = 0
+    for name, payload in records:
+        fname = f"{archive}/{name}".encode()
+        size = segment_size(payload)
+        crc = zlib.crc32(payload) if isinstance(payload, bytes) else 0
+        big = size >= 0xFFFFFFFF
+        zip64 = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
+        base = at + 30 + len(fname) + len(zip64)
+        pad = (-(base + 4)) % _ALIGN  # 4 = the padding field's own header
+        extra = zip64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" id, as torch's writer
+        s32 = 0xFFFFFFFF if big else size
+        out.append(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if big else 20, 0, 0, *_DOS_DATE,
+                               crc, s32, s32, len(fname), len(extra)) + fname + extra)
+        out.append(payload)
+        far = at >= 0xFFFFFFFF
+        cextra_vals = ([size, size] if big else []) + ([at] if far else [])
+        cextra = struct.pack(f"<HH{len(cextra_vals)}Q", 1, 8 * len(cextra_vals), *cextra_vals) if cextra_vals else b""
+        central.append(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45 if (big or far) else 20, 0, 0,
+                                   *_DOS_DATE, crc, s32, s32, len(fname), len(cextra), 0, 0, 0, 0,
+                                   0xFFFFFFFF if far else at) + fname + cextra)
+        at += segment_size(out[-2]) + size
+    cd = b"".join(central)
+    n = len(records)
+    tail = b""
+    if at >= 0xFFFFFFFF or n >= 0xFFFF:
+        tail += struct.pack("<4sQHHIIQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, n, n, len(cd), at)
+        tail += struct.pack("<4sIQI", b"PK\x06\x07", 0, at + len(cd), 1)
+    tail += struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, min(n, 0xFFFF), min(n, 0xFFFF),
+                        min(len(cd), 0xFFFFFFFF), min(at, 0xFFFFFFFF), 0)
+    out.append(cd + tail)
+    return out
+
+
+def torch_save_segments(tree: Any, pieces: dict[str, Piece], archive: str = "archive") -> list[Segment]:
+    """A whole torch.save archive: ``tree`` holds PieceRef(key) where ``pieces[key]`` goes."""
+    records: list[tuple[str, Segment]] = [
+        ("data.pkl", torch_pickle(tree)),
+        (".format_version", b"1"),
+        (".storage_alignment", b"64"),
+        ("byteorder", b"little"),
+    ]
+    records += [(f"data/{key}", piece) for key, piece in pieces.items()]
+    records += [("version", b"3\n")]
+    return zip_segments(records, archive)

@@ -1,0 +1,18 @@
+"""zarr v3 stores, local or behind an fsspec URL.
+
+- ``format``: ``ZarrFormat`` and ``ZarrWriter``
+- ``meta``: ``zarr.json`` (dtype names, codecs, chunk keys)
+- ``grid``: chunk grids from target shards or a size
+- ``chunks``: raw and compressed chunks, decoded on read
+- ``store``: local folders and fsspec URLs
+- ``remote``: conversions from and to URLs (no rename: root ``zarr.json`` last)
+"""
+
+from reshard._lazy import lazy_exports
+
+_EXPORTS = {
+    "ZarrFormat": "reshard.formats.zarr.format",
+    "ZarrWriter": "reshard.formats.zarr.format",
+}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,23 @@
+"""Key maps: rename a checkpoint's tensors between naming schemes, lazily and invertibly.
+
+``load_keymap(name_or_path)`` gives a ``KeyMap`` (a preset or a MAP.json) whose ``apply``
+renames a catalog without reading data; its optimizer state follows every rename.
+
+- ``maps``: the rules (rename, split, merge, stack, unstack, drop, RoPE permutation) and ``KeyMap``
+- ``presets``: the tables of torchtitan's model families and HF's names
+- ``megatron``: Megatron-Core GPT/Llama to HF
+- ``patterns``: name templates and their inverses
+- ``apply``: a key map applied to a catalog (routes, optimizer state)
+- ``chunks``: what a rename does to stored chunks (box arithmetic, row gathers)
+"""
+
+from reshard._lazy import lazy_exports
+
+_EXPORTS = {
+    "apply_keymap": "reshard.keymap.apply",
+    "FamilyKeyMap": "reshard.keymap.maps",
+    "KeyMap": "reshard.keymap.maps",
+    "load_keymap": "reshard.keymap.maps",
+}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,0 +1,331 @@
+"""Load any checkpoint straight into a live model, sharded or not, on any number of ranks.
+
+The user story: a run saved on 64 GPUs resumes on 48; a model exported to the Hub starts a
+new FSDP2 run; one ``model.pt`` on one node's disk feeds a 16-rank job. Nobody holds the
+whole model: each rank receives exactly its boxes.
+
+Lifecycle (every rank calls the same function, in the same order):
+
+1. Each rank lists its live tensors and the box of the global tensor it holds
+   (``runtime.targets``): DTensors by torch's own layout rule, plain tensors whole.
+2. Mode: ``parallel`` when every rank sees the same source (shared storage), else
+   ``rank0``; ``auto`` decides by comparing what each rank sees at the path.
+3. The plan (``runtime.plan``) matches names and lists who needs which box. In ``rank0``
+   mode rank 0 reads the catalog, builds the plan from every rank's boxes and broadcasts it;
+   in ``parallel`` mode each rank builds it. A mismatch raises the same error on every rank
+   before any live tensor is touched.
+4. Bytes move (``runtime.transfer``): rank 0 streams slabs under ``max_memory`` and sends
+   each to the ranks that hold it, or each rank reads its own.
+5. ``load_model`` hands the filled state dicts back through torch's ``set_state_dict``
+   helpers, with the checkpoint's optimizer hyper-parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from reshard import errors
+from reshard.catalog import Catalog
+from reshard.errors import ReshardError, UsageError
+from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
+from reshard.runtime.targets import Slot, make_slots, storage_aliases
+from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
+from reshard.progress import Progress
+from reshard.sizes import parse_size
+
+__all__ = ["load_model", "load_state_dict", "LoadResult", "StateDictMismatchError", "MODES"]
+
+MODES = ("auto", "rank0", "parallel")
+
+
+@dataclass
+class LoadResult:
+    """What one rank loaded. ``objects`` are the checkpoint's non-tensor values (``train.step``,
+    configs...), the same on every rank."""
+
+    source: Path
+    mode: str  # "rank0", "parallel", or "local" (no process group)
+    loaded: list[str]
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    objects: dict[str, Any] = field(default_factory=dict)
+    bytes: int = 0  # bytes this rank read (parallel) or received; rank 0 in rank0 mode: read
+    seconds: float = 0.0
+
+
+# ------------------------------------------------------------------------------ one world
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _comm_device() -> torch.device:
+    """Where bytes travel: the GPU of this rank under NCCL (from LOCAL_RANK), else host memory."""
+    if not (dist.is_available() and dist.is_initialized()) or "nccl" not in str(dist.get_backend()):
+        return torch.device("cpu")
+    if "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _what_i_see(source: Path) -> tuple | None:
+    """A cheap fingerprint of the source as this rank sees it; equal on all ranks means shared."""
+    try:
+        st = source.stat()
+        if source.is_dir():
+            return ("dir", tuple(sorted((e.name, e.stat().st_size if e.is_file() else -1)
+                                        for e in os.scandir(source))))
+        return ("file", st.st_size)
+    except OSError:
+        return None
+
+
+def _choose_mode(mode: str, source: Path, world: int) -> str:
+    if mode not in MODES:
+        raise UsageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if world == 1 and not (dist.is_available() and dist.is_initialized()):
+        return "local"
+    if mode != "auto":
+        return mode
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, _what_i_see(source))
+    return "parallel" if seen[0] is not None and all(s == seen[0] for s in seen) else "rank0"
+
+
+_ERROR_TYPES = {c.__name__: c for c in [getattr(errors, n) for n in errors.__all__] + [StateDictMismatchError]}
+
+
+def _shared_error(exc: BaseException, source: Path) -> tuple[str, str]:
+    if isinstance(exc, ReshardError):
+        return type(exc).__name__, str(exc)
+    return "ReshardError", f"{source}: loading failed on another rank: {type(exc).__name__}: {exc}"
+
+
+def _raise_shared(err: tuple[str, str]) -> None:
+    raise _ERROR_TYPES.get(err[0], ReshardError)(err[1])
+
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def _read_catalog(source: Path, keymap: Any, layout: str | None) -> Catalog:
+    from reshard.formats.registry import detect_format
+
+    catalog = detect_format(source).read(source)
+    if layout is not None:
+        from reshard.conventions import detect_layout
+
+        detect_layout(catalog, layout)  # an unknown name is a usage error
+        catalog.attrs["layout"] = layout
+    if keymap is not None:
+        from reshard.keymap.maps import load_keymap
+
+        catalog = load_keymap(keymap).apply(catalog)
+    return catalog
+
+
+@dataclass
+class _Load:
+    """A validated plan and what executing it needs on this rank."""
+
+    source: Path
+    mode: str
+    plan: LoadPlan
+    slots: dict[str, Slot]
+    catalog: Catalog | None  # None on ranks that only receive
+
+    def execute(self, progress: bool) -> int:
+        rank, _ = _world()
+        if self.mode == "rank0":
+            total = self.plan.total_bytes
+        else:
+            total = sum(self.slots[i.target].meta.box.numel * i.dtype.itemsize
+                        for i in self.plan.items if i.target in self.slots)
+        bar = Progress(total, f"loading {self.source.name}", enabled=progress and rank == 0)
+        try:
+            if self.mode != "rank0":
+                return read_local(self.plan, self.catalog.tensors, self.slots, bar)
+            if rank == 0:
+                return send_boxes(self.plan, self.catalog.tensors, self.slots, _comm_device(), bar)
+            return receive_boxes(self.plan, self.slots, _comm_device())
+        finally:
+            bar.close()
+
+
+def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str, keymap: Any, strict: bool,
+             max_memory: str | int, layout: str | None = None) -> _Load:
+    source = Path(source)
+    slab_bytes = max(1, parse_size(max_memory) // 4)  # two send buffers plus the reads behind one
+    slots = make_slots(state_dict)
+    rank, world = _world()
+    mode = _choose_mode(mode, source, world)
+    mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
+    if mode == "local":
+        catalog = _read_catalog(source, keymap, layout)
+        plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes)
+        return _Load(source, mode, plan, slots, catalog)
+    _comm_device()
+    if mode == "rank0":
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    else:  # each rank plans only its own boxes; tied names still need everyone's view
+        tied: list[Any] = [None] * world
+        dist.all_gather_object(tied, mine[1])
+        gathered = [(mine[0], [a for t in tied for a in t])]
+    catalog, outcome, failure = None, None, None
+    if rank == 0 or mode == "parallel":
+        try:
+            catalog = _read_catalog(source, keymap, layout)
+            metas = [g[0] for g in gathered]
+            aliases = [a for g in gathered for a in g[1]]
+            outcome = make_load_plan(catalog, metas, aliases, strict=strict, slab_bytes=slab_bytes)
+        except BaseException as e:  # every rank must hear of it, or the others wait forever
+            failure, outcome = e, _shared_error(e, source)
+    if mode == "rank0":
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        outcome = box[0]
+    else:
+        outcomes: list[Any] = [None] * world
+        dist.all_gather_object(outcomes, outcome if failure is not None else None)
+        first = next((o for o in outcomes if o is not None), None)
+        if first is not None and failure is None:
+            _raise_shared(first)
+    if failure is not None:
+        raise failure
+    if isinstance(outcome, tuple):
+        _raise_shared(outcome)
+    return _Load(source, mode, outcome, slots, catalog)
+
+
+def _result(load: _Load, nbytes: int, started: float) -> LoadResult:
+    p = load.plan
+    return LoadResult(load.source, load.mode, p.loaded, list(p.missing), list(p.unexpected), dict(p.objects),
+                      nbytes, time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------------------ public API
+
+
+def load_state_dict(
+    state_dict: Mapping[str, Any],
+    source: str | os.PathLike,
+    mode: str = "auto",
+    keymap: Any = None,
+    strict: bool = True,
+    max_memory: str | int = "1GiB",
+    *,
+    progress: bool = True,
+    layout: str | None = None,
+) -> LoadResult:
+    """Fill the tensors of ``state_dict`` (DTensors or plain, nested like DCP state dicts) in
+    place from checkpoint ``source``, in any format reshard reads.
+
+    Call it on every rank of an initialized process group, or in a single process without
+    one. Names match exactly, then as the parameter (or its optimizer state) of the same FQN
+    under the checkpoint's layout, whichever tool wrote it (``reshard.conventions``; ``layout``
+    names one when detection is wrong); ``keymap`` (a preset name, a JSON path or a dict)
+    renames the checkpoint's names first.
+    Values are cast to each tensor's dtype and device as they arrive. Non-tensor values are
+    left alone; the checkpoint's objects come back in ``LoadResult.objects``.
+
+    >>> msd = get_model_state_dict(model)
+    >>> reshard.load_state_dict(msd, "ckpt/", mode="rank0", max_memory="2GiB")
+    """
+    started = time.perf_counter()
+    load = _prepare(state_dict, source, mode, keymap, strict, max_memory, layout)
+    return _result(load, load.execute(progress), started)
+
+
+def _param_groups(saved: Mapping[int | str, dict[str, Any]], live: list[dict[str, Any]], strict: bool,
+                  source: Path) -> dict[int, dict]:
+    """The checkpoint's hyper-parameters per live param group. Saved by group index (torch's
+    ``state_dict``), they match by position; saved per parameter (torch's flattened optimizer
+    state dict, as torchtitan saves it), a live group takes those of its parameters."""
+    if not saved:
+        return {}
+    if all(isinstance(k, int) for k in saved):
+        if len(saved) != len(live):
+            if strict:
+                raise StateDictMismatchError(
+                    f"{source}: the checkpoint has {len(saved)} optimizer param groups, the optimizer {len(live)}. "
+                    "Nothing was loaded. Build the optimizer with the same groups, or pass strict=False to keep "
+                    "the optimizer's own hyper-parameters")
+            return {}
+        return {i: dict(saved[i]) for i in range(len(live)) if i in saved}
+    out: dict[int, dict] = {}
+    for i, group in enumerate(live):
+        found = [saved[f] for f in group.get("params", []) if isinstance(f, str) and f in saved]
+        if found:
+            out[i] = dict(found[0])
+        elif strict and group.get("params"):
+            raise StateDictMismatchError(
+                f"{source}: no saved hyper-parameters for the optimizer's param group {i} (its first parameter is "
+                f"{group['params'][0]!r}). Nothing was loaded; pass strict=False to keep the optimizer's own")
+    return out
+
+
+def load_model(
+    model: torch.nn.Module,
+    source: str | os.PathLike,
+    optimizer: torch.optim.Optimizer | None = None,
+    mode: str = "auto",
+    keymap: Any = None,
+    strict: bool = True,
+    max_memory: str | int = "1GiB",
+    *,
+    progress: bool = True,
+    layout: str | None = None,
+) -> LoadResult:
+    """Load ``source`` into a plain, DDP or FSDP2 (``fully_shard``, 1-D or 2-D mesh) ``model``,
+    and into ``optimizer`` when given: AdamW's exp_avg, exp_avg_sq and step resharded with
+    their parameter, param-group hyper-parameters (lr, betas...) from the checkpoint. Any
+    layout the common tools write is understood (``reshard.conventions``): ours and torch's
+    ``{"model", "optim"}``, torchtitan's ``optimizer.state.<fqn>.<key>`` with per-parameter
+    ``param_groups`` (model under ``model.`` or at the top level), plain model state dicts.
+
+    An empty optimizer gets its state created first (torch's ``get_state_dict`` does this
+    with a zero-gradient step at lr 0), so a fresh run can resume. Modes: ``rank0`` streams
+    from rank 0, which alone reads ``source``; ``parallel`` lets every rank read its own
+    boxes from shared storage; ``auto`` picks ``parallel`` when every rank sees the same
+    source. Peak memory per rank is its shard plus about ``max_memory``.
+
+    >>> model = Transformer(cfg); fully_shard(model, mesh=mesh); opt = AdamW(model.parameters())
+    >>> reshard.load_model(model, "ckpt/step-1000", opt)   # saved on 64 GPUs, loaded on 48
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    started = time.perf_counter()
+    if optimizer is None:
+        msd, osd = get_model_state_dict(model), None
+        targets: dict[str, Any] = dict(msd)
+    else:
+        msd, osd = get_state_dict(model, optimizer)
+        targets = {**msd, LIVE_STATE.split(".")[0]: {"state": osd["state"]}}
+    load = _prepare(targets, source, mode, keymap, strict, max_memory, layout)
+    groups = _param_groups(load.plan.groups, osd["param_groups"], strict, load.source) if osd else {}
+    nbytes = load.execute(progress)
+    # The filled tensors are the model's and optimizer's own memory; these calls are what makes
+    # that true for wrappers that hand out copies, and what torch expects to be called.
+    set_model_state_dict(model, msd)
+    if osd is not None:
+        for index, values in groups.items():
+            osd["param_groups"][index].update(values)
+        set_optimizer_state_dict(model, optimizer, osd)
+    return _result(load, nbytes, started)
