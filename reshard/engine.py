@@ -111,6 +111,17 @@ def _bounding_box(boxes: list[Box]) -> Box:
     return Box(tuple(lo), tuple(h - low for low, h in zip(lo, hi)))
 
 
+@dataclass
+class _RowGroup:
+    """Pieces of one tensor sharing their rows, written as one job (``Engine._jobs``): their
+    bounding box, each chunk they read once, and the bytes of a block of rows."""
+
+    items: list[tuple[str, int, Piece]]
+    box: Box
+    sources: list[Source]
+    block_bytes: int
+
+
 def _merged_sources(pieces: list[Piece], plan: Plan, box: Box) -> list[Source]:
     """Each chunk the pieces read, once, with its part of ``box``."""
     chunks = {id(s.chunk): s.chunk for p in pieces for s in plan.sources[p]}
@@ -227,10 +238,13 @@ class Engine:
     def _fill(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: FdPool,
               stats: EngineStats, bar: Progress) -> None:
         self._copy_piece(fd, offset, piece, sources, fds, stats, bar)
-        # With fsync, start writing this piece to disk now, in the background, so the final
-        # fsync has little left to wait for (disk writes overlap the rest of the copy).
-        if self.fsync and piece.nbytes and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, offset, piece.nbytes, os.POSIX_FADV_DONTNEED)
+        self._start_writeback(fd, offset, piece.nbytes)
+
+    def _start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
+        """With fsync, start writing a finished piece to disk now, in the background, so the
+        final fsync has little left to wait for (disk writes overlap the rest of the copy)."""
+        if self.fsync and nbytes and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     def _copy_piece(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: FdPool,
                     stats: EngineStats, bar: Progress) -> None:
@@ -255,7 +269,7 @@ class Engine:
             stats.add(buffered=data.nbytes)
             bar.update(data.nbytes)
 
-    def _jobs(self, work: list[tuple[str, int, Piece]], plan: Plan) -> list[list[tuple[str, int, Piece]]]:
+    def _jobs(self, work: list[tuple[str, int, Piece]], plan: Plan) -> list[_RowGroup | tuple[str, int, Piece]]:
         """``work`` as jobs, in its order: one piece each, except pieces of one tensor that
         share their rows and differ in later dims (the column shards of a ``Shard(1)`` or TP
         plan, replicas in several files), which become one job reading the rows of their
@@ -268,36 +282,43 @@ class Engine:
             box = piece.box
             if box.ndim >= 2 and box.numel and self._kernel_plan(piece, plan.sources[piece]) is None:
                 groups.setdefault((piece.name, piece.dtype, box.offsets[0], box.sizes[0]), []).append(item)
-        grouped: dict[int, list[tuple[str, int, Piece]]] = {}  # id(piece) -> its group, when grouped
+        grouped: dict[int, _RowGroup] = {}  # id(piece) -> its group, when grouped
         for items in groups.values():
-            if len(items) > 1 and self._worth_grouping([p for _, _, p in items], plan):
-                grouped.update({id(p): items for _, _, p in items})
-        jobs, emitted = [], set()
+            group = self._row_group(items, plan) if len(items) > 1 else None
+            if group is not None:
+                grouped.update({id(p): group for _, _, p in items})
+        jobs: list[_RowGroup | tuple[str, int, Piece]] = []
+        emitted: set[int] = set()
         for item in work:
-            items = grouped.get(id(item[2]))
-            if items is None:
-                jobs.append([item])
-            elif id(items) not in emitted:
-                emitted.add(id(items))
-                jobs.append(items)
+            group = grouped.get(id(item[2]))
+            if group is None:
+                jobs.append(item)
+            elif id(group) not in emitted:
+                emitted.add(id(group))
+                jobs.append(group)
         return jobs
 
-    def _worth_grouping(self, pieces: list[Piece], plan: Plan) -> bool:
+    def _row_group(self, items: list[tuple[str, int, Piece]], plan: Plan) -> _RowGroup | None:
+        """``items`` as one job, unless their bounding box is mostly gaps or a row of it is
+        wider than half a slab."""
+        pieces = [p for _, _, p in items]
         box = _bounding_box([p.box for p in pieces])
-        row = math.prod(box.sizes[1:]) * pieces[0].dtype.itemsize
         sources = _merged_sources(pieces, plan, box)
-        return 2 * sum(p.box.numel for p in pieces) >= box.numel and row <= self._slab_bytes(pieces[0], sources) // 2
+        block_bytes = self._slab_bytes(pieces[0], sources) // 2
+        row = math.prod(box.sizes[1:]) * pieces[0].dtype.itemsize
+        if 2 * sum(p.box.numel for p in pieces) < box.numel or row > block_bytes:
+            return None
+        return _RowGroup(items, box, sources, block_bytes)
 
-    def _fill_rows(self, items: list[tuple[str, int, Piece]], plan: Plan, paths: dict[str, Path], fds: FdPool,
-                   outs: FdPool, stats: EngineStats, bar: Progress) -> None:
+    def _fill_rows(self, group: _RowGroup, paths: dict[str, Path], fds: FdPool, outs: FdPool, stats: EngineStats,
+                   bar: Progress) -> None:
         """One job of ``_jobs``: the bounding box of its pieces assembled a block of rows at a
         time (half a slab, so the pieces' copies fit in the other half), and each piece's
         columns of the block written where those rows sit in its file."""
-        pieces = [p for _, _, p in items]
-        box = _bounding_box([p.box for p in pieces])
-        dtype, item = pieces[0].dtype, pieces[0].dtype.itemsize
-        sources = _merged_sources(pieces, plan, box)
-        for block in c_order_slabs(box, item, self._slab_bytes(pieces[0], sources) // 2):
+        items, sources = group.items, group.sources
+        dtype = items[0][2].dtype
+        item = dtype.itemsize
+        for block in c_order_slabs(group.box, item, group.block_bytes):
             if self._stop.is_set():
                 return
             data = assemble(block, dtype, [s for s in sources if s.box.intersect(block) is not None], fds)
@@ -310,10 +331,10 @@ class Engine:
                     _pwrite_all(fd, part, off + (block.offsets[0] - piece.box.offsets[0]) * row_bytes)
                 stats.add(buffered=part.nbytes)
                 bar.update(part.nbytes)
-        if self.fsync and hasattr(os, "posix_fadvise"):
+        if self.fsync:
             for rel, off, piece in items:
                 with outs.use(paths[rel]) as fd:
-                    os.posix_fadvise(fd, off, piece.nbytes, os.POSIX_FADV_DONTNEED)
+                    self._start_writeback(fd, off, piece.nbytes)
 
     def run(self, plan: Plan, root: Path, output_is_dir: bool, *, digests: bool = False) -> EngineStats:
         """Write every file of ``plan`` under ``root`` (a directory, or the file itself).
@@ -342,13 +363,15 @@ class Engine:
             left = Counter(rel for rel, _, _ in work)  # pieces still to write, per file
             lock = threading.Lock()
 
-            def fill(items: list[tuple[str, int, Piece]]) -> None:
-                if len(items) > 1:
-                    self._fill_rows(items, plan, paths, fds, outs, stats, bar)
+            def fill(job: _RowGroup | tuple[str, int, Piece]) -> None:
+                if isinstance(job, _RowGroup):
+                    self._fill_rows(job, paths, fds, outs, stats, bar)
+                    items = job.items
                 else:
-                    rel, off, piece = items[0]
+                    rel, off, piece = job
                     with outs.use(paths[rel]) as fd:
                         self._fill(fd, off, piece, plan.sources[piece], fds, stats, bar)
+                    items = [job]
                 if digests:
                     with lock:
                         for rel, _, _ in items:
@@ -360,7 +383,7 @@ class Engine:
                 hashed.update({f.relpath: hashing.submit(file_digest, root / f.relpath)
                                for f in plan.files if not left[f.relpath]})
             with ThreadPoolExecutor(workers) as pool:
-                futures = [pool.submit(fill, items) for items in self._jobs(work, plan)]
+                futures = [pool.submit(fill, job) for job in self._jobs(work, plan)]
                 try:
                     for fut in futures:
                         fut.result()

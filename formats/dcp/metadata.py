@@ -497,17 +497,12 @@ def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
 
 
 def _int_columns(rows: list[tuple], shape: tuple[int, int], where: str) -> np.ndarray:
-    """``rows`` (tuples from the pickle) as an int64 array, refused unless every value is an
-    int (a bool, float, string or an int past int64 makes numpy pick another kind)."""
-    if not rows or shape[1] == 0:  # no chunks, or 0-d chunks: () holds no value to check
-        return np.zeros(shape, dtype=np.int64)
-    try:
-        arr = np.array(rows)
-    except (ValueError, TypeError, OverflowError):
-        raise CorruptCheckpointError(f"{where} are not sequences of integers") from None
-    if arr.dtype.kind != "i" or arr.shape != shape:
+    """``_int_array``, refused when a value is not an int (a bool, float, string or an int past
+    int64 makes numpy pick another kind)."""
+    arr = _int_array(rows, shape)
+    if arr is None:
         raise CorruptCheckpointError(f"{where} are not sequences of integers")
-    return arr.astype(np.int64, copy=False)
+    return arr
 
 
 def _matched_table(chunks: list[ChunkStorageMetadata], recs: list[tuple[tuple[int, ...], Any, tuple]], ndim: int, files: list[str],
