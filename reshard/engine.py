@@ -9,7 +9,8 @@ Two ways a piece gets its bytes:
 * Slabs. Otherwise the piece is cut into C-order slabs small enough that every worker's
   slab plus the source reads behind it stay inside ``max_memory``; each slab is assembled
   from its sources (cast on the way) and written at its offset. A tensor larger than the
-  budget is therefore moved in pieces, never whole.
+  budget is therefore moved in pieces, never whole. Each worker assembles its slabs in one
+  buffer it keeps, and stored runs are read straight into it.
 
 Pieces are independent, so a thread pool overlaps reads, casts and writes (all release the
 GIL). Progress is counted in bytes (``reshard.progress``: a bar on a terminal, a line every
@@ -61,28 +62,56 @@ class EngineStats:
             self.buffered_bytes += buffered
 
 
-def _read_part(data: ChunkData, box: Box, fds: FdPool | None) -> torch.Tensor:
+def _read_part(data: ChunkData, box: Box, fds: FdPool | None, into: torch.Tensor | None = None) -> torch.Tensor:
+    """``box`` of a chunk; ``into``: uint8 scratch a box stored as one run may be read into."""
     region = as_region(data) if fds is not None else None
     if region is not None:
         with fds.use(region.path) as fd:
-            return region.read_from(fd, box)
+            return region.read_from(fd, box, into)
     return data.read(box)
 
 
-def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdPool | None = None) -> torch.Tensor:
+def _stored_dtype(src: Source) -> torch.dtype | None:
+    region = as_region(src.chunk.data)
+    return None if region is None else region.dtype
+
+
+def _buffer(into: torch.Tensor | None, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``sizes`` and ``dtype`` in ``into`` (uint8 scratch) when given, else new."""
+    nbytes = math.prod(sizes) * dtype.itemsize
+    if into is None or into.numel() < nbytes:
+        return torch.empty(sizes, dtype=dtype)
+    return into[:nbytes].view(dtype).view(sizes)
+
+
+def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdPool | None = None,
+             into: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor for ``piece_box`` (global coordinates) in ``dtype``, read from ``sources``.
     A box that one source holds whole is returned as read (in ``dtype``; maybe a strided view
-    or a source's own tensor: callers copy it out and never write to it), not copied again."""
+    or a source's own tensor: callers copy it out and never write to it), not copied again.
+
+    ``into``: scratch memory (uint8, at least the box's bytes) the result may be built in,
+    so a worker reuses one buffer instead of faulting in fresh pages per slab; the result
+    may then be a view of it."""
     if len(sources) == 1 and sources[0].box.intersect(piece_box) == piece_box:
-        data = _read_part(sources[0].chunk.data, piece_box.shifted(sources[0].chunk.box.offsets), fds)
-        return data if data.dtype == dtype else data.to(dtype)
-    out = torch.empty(piece_box.sizes, dtype=dtype)
+        src = sources[0]
+        direct = into if into is not None and _stored_dtype(src) == dtype else None  # a cast reads elsewhere
+        data = _read_part(src.chunk.data, piece_box.shifted(src.chunk.box.offsets), fds, direct)
+        if data.dtype == dtype:
+            return data
+        return _buffer(into, piece_box.sizes, dtype).copy_(data)
+    out = _buffer(into, piece_box.sizes, dtype)
+    flat = out.view(-1)
     for src in sources:
         part = src.box.intersect(piece_box)
         if part is None:
             continue
-        data = _read_part(src.chunk.data, part.shifted(src.chunk.box.offsets), fds)
-        out[part.shifted(piece_box.offsets).as_slices()] = data
+        local = part.shifted(piece_box.offsets)
+        run = contiguous_range(local, piece_box.sizes) if _stored_dtype(src) == dtype else None
+        dest = None if run is None else flat[run[0]: run[0] + run[1]].view(torch.uint8)
+        data = _read_part(src.chunk.data, part.shifted(src.chunk.box.offsets), fds, dest)
+        if dest is None or data.data_ptr() != dest.data_ptr():  # not read in place (strided in its file)
+            out[local.as_slices()] = data
     return out
 
 
@@ -183,6 +212,29 @@ def _create(path: Path, f: FileLayout) -> None:
         os.close(fd)
 
 
+class _Scratch(threading.local):
+    """One buffer per worker thread that slabs are assembled in, reused from slab to slab.
+
+    A fresh buffer per slab is fresh pages: above glibc's mmap threshold (which the CLI keeps
+    low, so freed slabs go back to the system) each one is mapped, faulted in and zeroed by
+    the kernel, then unmapped, which measured as much time as the copy itself. A worker holds
+    at most one slab at a time, so keeping it costs no memory beyond the budget."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self.buf.numel() < nbytes:
+            self.buf = torch.empty(0, dtype=torch.uint8)  # let the old one go before the new one
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buf[:nbytes]
+
+
+def _contiguous(t: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """``t`` C-contiguous, copied into scratch ``into`` when it is not already."""
+    return t if t.is_contiguous() else _buffer(into, tuple(t.shape), t.dtype).copy_(t)
+
+
 _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs are cut from
 
 
@@ -196,6 +248,7 @@ class Engine:
         self.desc = desc
         self._stop = threading.Event()
         self._active_workers, self._slab_memory = self.workers, max_memory
+        self._scratch = _Scratch()
 
     def _workers_for(self, plan: Plan) -> tuple[int, int]:
         """(workers, memory for their slabs). Where source chunks must be decoded whole
@@ -259,11 +312,13 @@ class Engine:
                 bar.update(n)
             return
         at = offset
-        for slab in c_order_slabs(piece.box, piece.dtype.itemsize, self._slab_bytes(piece, sources)):
+        slab_bytes = self._slab_bytes(piece, sources)
+        scratch = self._scratch.take(slab_bytes)
+        for slab in c_order_slabs(piece.box, piece.dtype.itemsize, slab_bytes):
             if self._stop.is_set():  # the run failed or was interrupted: no point finishing this piece
                 return
             parts = [s for s in sources if s.box.intersect(slab) is not None]
-            data = _as_bytes(assemble(slab, piece.dtype, parts, fds))
+            data = _as_bytes(_contiguous(assemble(slab, piece.dtype, parts, fds, scratch), scratch))
             _pwrite_all(fd, data, at)
             at += data.nbytes
             stats.add(buffered=data.nbytes)
@@ -318,14 +373,17 @@ class Engine:
         items, sources = group.items, group.sources
         dtype = items[0][2].dtype
         item = dtype.itemsize
+        split = -(-group.block_bytes // 64) * 64  # aligned for any dtype's view
+        scratch = self._scratch.take(split + group.block_bytes)
+        rows, cols_buf = scratch[:split], scratch[split:]  # the block; a piece's part of it
         for block in c_order_slabs(group.box, item, group.block_bytes):
             if self._stop.is_set():
                 return
-            data = assemble(block, dtype, [s for s in sources if s.box.intersect(block) is not None], fds)
+            data = assemble(block, dtype, [s for s in sources if s.box.intersect(block) is not None], fds, rows)
             for rel, off, piece in items:
                 cols = tuple(slice(o - b, o - b + n) for o, n, b in zip(piece.box.offsets[1:], piece.box.sizes[1:],
                                                                          block.offsets[1:]))
-                part = _as_bytes(data[(slice(None), *cols)])
+                part = _as_bytes(_contiguous(data[(slice(None), *cols)], cols_buf))
                 row_bytes = math.prod(piece.box.sizes[1:]) * item
                 with outs.use(paths[rel]) as fd:
                     _pwrite_all(fd, part, off + (block.offsets[0] - piece.box.offsets[0]) * row_bytes)

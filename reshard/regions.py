@@ -97,14 +97,25 @@ class StoredRegion:
         finally:
             os.close(fd)
 
-    def read_from(self, fd: int, box: Box) -> torch.Tensor:
-        """Read ``box`` through an already open ``fd`` of ``path`` (the engine keeps them open)."""
+    def read_from(self, fd: int, box: Box, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Read ``box`` through an already open ``fd`` of ``path`` (the engine keeps them open).
+
+        ``into``: a contiguous uint8 buffer of at least the box's bytes that a box lying in
+        one run of the file is read into (and returned as a view of), instead of fresh
+        memory; the engine reuses one per worker, so reading does not fault in and zero
+        new pages for every slab. Other boxes ignore it."""
         item = self.dtype.itemsize
         if box.numel == 0:
             return torch.empty(box.sizes, dtype=self.dtype)
         direct = self.byte_range(box)
         if direct is not None:
-            return self._tensor(_read_tensor(fd, direct[1], direct[0], self.path), box.sizes)
+            offset, nbytes = direct
+            if into is not None and into.numel() >= nbytes:
+                buf = into[:nbytes]
+                _read_into(fd, memoryview(buf.numpy()), offset, self.path)
+            else:
+                buf = _read_tensor(fd, nbytes, offset, self.path)
+            return self._tensor(buf, box.sizes)
         strides = self.strides or c_strides(self.shape)
         return self._read_strided(fd, box, strides, max(2 * box.numel * item, _MIN_SPAN))
 
