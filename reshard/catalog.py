@@ -31,7 +31,11 @@ class ChunkData(Protocol):
     """Something that can produce any sub-box of one stored chunk as a CPU tensor."""
 
     def read(self, box: Box) -> torch.Tensor:
-        """``box`` is relative to the chunk's own origin; returns a tensor of ``box.sizes``."""
+        """``box`` is relative to the chunk's own origin; returns a tensor of ``box.sizes``.
+
+        Data that computes its values (``reshard.quant``) may also have ``read_into(box,
+        out)``, writing them into ``out`` (contiguous, the box's sizes, any float dtype):
+        the engine then passes its slab buffer instead of taking a new tensor per slab."""
         ...
 
 

@@ -84,6 +84,22 @@ def _buffer(into: torch.Tensor | None, sizes: tuple[int, ...], dtype: torch.dtyp
     return into[:nbytes].view(dtype).view(sizes)
 
 
+_CAST_BAND_BYTES = 2 << 20  # stored bytes read per step of a cast
+
+
+def _cast_in_bands(src: Source, stored: torch.dtype, piece_box: Box, dtype: torch.dtype, fds: FdPool | None,
+                   out: torch.Tensor) -> torch.Tensor:
+    """``piece_box`` of one source cast into ``out``, read a band at a time: each band's read
+    stays under the CLI's 4 MiB mmap threshold and reuses memory malloc holds, where one read
+    of the whole slab in its stored dtype would be fresh pages, faulted in and zeroed."""
+    flat, at = out.view(-1), 0
+    for band in c_order_slabs(piece_box, stored.itemsize, _CAST_BAND_BYTES):
+        n = band.numel
+        flat[at: at + n].view(band.sizes).copy_(_read_part(src.chunk.data, band.shifted(src.chunk.box.offsets), fds))
+        at += n
+    return out
+
+
 def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdPool | None = None,
              into: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor for ``piece_box`` (global coordinates) in ``dtype``, read from ``sources``.
@@ -95,7 +111,15 @@ def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdP
     may then be a view of it."""
     if len(sources) == 1 and sources[0].box.intersect(piece_box) == piece_box:
         src = sources[0]
-        direct = into if into is not None and _stored_dtype(src) == dtype else None  # a cast reads elsewhere
+        compute = getattr(src.chunk.data, "read_into", None)
+        if compute is not None and into is not None:  # computed values (dequantized) land in the slab itself
+            out = _buffer(into, piece_box.sizes, dtype)
+            compute(piece_box.shifted(src.chunk.box.offsets), out)
+            return out
+        stored = _stored_dtype(src)
+        if into is not None and stored is not None and stored != dtype:
+            return _cast_in_bands(src, stored, piece_box, dtype, fds, _buffer(into, piece_box.sizes, dtype))
+        direct = into if into is not None and stored == dtype else None
         data = _read_part(src.chunk.data, piece_box.shifted(src.chunk.box.offsets), fds, direct)
         if data.dtype == dtype:
             return data

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from reshard.boxes import Box, full_box
+from reshard.boxes import Box, c_order_slabs, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry, object_loader, pick_objects
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
 from reshard.keymap.chunks import read_box
@@ -240,6 +240,21 @@ def _scale_values(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32)
 
 
+# Every value of each FP8 format as torch converts it: a gather from 256 entries is about 3x
+# faster than torch's per-element conversion on CPU, and gives the same bits (NaNs included).
+_FP8_TABLES = {d: torch.arange(256, dtype=torch.uint8).view(d).to(torch.float32) for d in _FP8}
+# Elements dequantized at a time: every temporary stays below the 4 MiB mmap threshold the CLI
+# sets, so it is served from memory malloc already holds instead of fresh pages.
+_BAND_BYTES = 2 << 20
+
+
+def _fp8_to_float32(t: torch.Tensor) -> torch.Tensor:
+    table = _FP8_TABLES.get(t.dtype)
+    if table is None:
+        return t.to(torch.float32)
+    return table.index_select(0, t.reshape(-1).view(torch.uint8).to(torch.int32)).reshape(t.shape)
+
+
 @dataclass(frozen=True)
 class _Fp8Values:
     """``weight * scale`` in float32 for any box: reads the box's values and the scales of the
@@ -250,7 +265,22 @@ class _Fp8Values:
     block: tuple[int, ...]  # (rows, cols) per scale; () for one scale
 
     def read(self, box: Box) -> torch.Tensor:
-        out = read_box(self.weight, box).to(torch.float32)
+        out = torch.empty(box.sizes, dtype=torch.float32)
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: torch.Tensor) -> None:
+        """Dequantize ``box`` into ``out`` (contiguous, of the box's sizes, any floating dtype:
+        the float32 products are rounded into it), a band of rows at a time, so no temporary
+        is as large as the box: the engine passes its slab buffer, in the target dtype."""
+        flat, at = out.view(-1), 0
+        for band in c_order_slabs(box, 4, _BAND_BYTES):
+            n = band.numel
+            flat[at: at + n].view(band.sizes).copy_(self._band(band))
+            at += n
+
+    def _band(self, box: Box) -> torch.Tensor:
+        out = _fp8_to_float32(read_box(self.weight, box))
         if box.numel == 0:
             return out
         if not self.block:
@@ -261,6 +291,9 @@ class _Fp8Values:
         grid = Box(box.offsets[:lead] + (g0r, g0c), box.sizes[:lead] + (-(-(r0 + nr) // bo) - g0r, -(-(c0 + nc) // bi) - g0c))
         scales = _scale_values(read_box(self.scale, grid))
         rows = scales.repeat_interleave(bo, dim=-2)[..., r0 - g0r * bo: r0 - g0r * bo + nr, :]
+        if c0 % bi == 0 and nc % bi == 0:  # whole column blocks: one broadcast multiply
+            out.view(*out.shape[:-1], nc // bi, bi).mul_(rows.unsqueeze(-1))
+            return out
         for j in range(grid.sizes[-1]):
             a, b = max(c0, (g0c + j) * bi) - c0, min(c0 + nc, (g0c + j + 1) * bi) - c0
             out[..., a:b].mul_(rows[..., j: j + 1])

@@ -158,6 +158,27 @@ def test_slabs_are_read_into_each_workers_reused_buffer(tmp_path: Path, monkeypa
     assert fresh == []
 
 
+def test_a_cast_reads_its_source_in_small_bands(tmp_path: Path, monkeypatch) -> None:
+    """A cast slab is read a band at a time (reads stay below the mmap threshold, so they
+    reuse heap memory instead of fresh pages) and is exact whether bands cut rows or not."""
+    import reshard.engine as engine_module
+    import reshard.regions as regions
+
+    reads: list[int] = []
+    real_read = regions._read_into
+    monkeypatch.setattr(regions, "_read_into", lambda fd, view, off, path: reads.append(view.nbytes) or real_read(fd, view, off, path))
+    t = torch.randn(23, 17)
+    cat = _sharded_catalog(tmp_path, t, [23])
+    for band in (40, 200, 1 << 20):  # part of a row, a few rows, the whole slab
+        monkeypatch.setattr(engine_module, "_CAST_BAND_BYTES", band)
+        reads.clear()
+        out = tmp_path / f"out{band}"
+        out.mkdir()
+        _, body = _run(cat, [Piece("w", Box((0, 0), (23, 17)), torch.bfloat16)], out, 1 << 20)
+        assert body == t.to(torch.bfloat16).view(torch.uint8).numpy().tobytes(), band
+        assert max(reads) <= max(band, 4) and sum(reads) == t.numel() * 4, band
+
+
 def test_column_shards_of_one_tensor_read_their_rows_once(tmp_path: Path, monkeypatch) -> None:
     """Column pieces that share their rows, in several files (a Shard(1) target: uneven, with
     an empty shard) or twice in one, are written exactly, with and without a cast, while each

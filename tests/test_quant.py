@@ -157,6 +157,29 @@ def test_fp8_random_boxes_equal_the_whole_tensor(fp8_dir: Path) -> None:
         assert torch.equal(entry.chunks[0].data.read(box), full[box.as_slices()])
 
 
+def test_fp8_dequantized_in_bands_into_the_engines_slab(fp8_dir: Path, monkeypatch) -> None:
+    """Values are dequantized a band of rows at a time (so no temporary is box-sized) and
+    written straight into the slab the engine passes, in its dtype: bands that cut blocks and
+    rows give the same bits as one pass, and the slab path (``assemble`` with scratch) the
+    same bits as a float32 read cast afterwards."""
+    import reshard.quant as quant
+
+    entry = dequantized(reshard.inspect(fp8_dir)).tensors[GATE]
+    full = whole(entry)
+    monkeypatch.setattr(quant, "_BAND_BYTES", 700)  # 175 elements: bands of part of a row
+    data = entry.chunks[0].data
+    g = torch.Generator().manual_seed(5)
+    for _ in range(20):
+        r0, c0 = (int(torch.randint(0, n, (1,), generator=g)) for n in (300, 200))
+        box = Box((r0, c0), (int(torch.randint(1, 301 - r0, (1,), generator=g)),
+                             int(torch.randint(1, 201 - c0, (1,), generator=g))))
+        assert torch.equal(data.read(box), full[box.as_slices()])
+        scratch = torch.full((box.numel * 2 + 64,), 0xAB, dtype=torch.uint8)
+        got = assemble(box, torch.bfloat16, sources_for(entry, box), into=scratch)
+        assert got.data_ptr() == scratch.data_ptr()
+        assert torch.equal(got, full[box.as_slices()].to(torch.bfloat16))
+
+
 # ------------------------------------------------------------------------- compressed-tensors FP8
 
 
