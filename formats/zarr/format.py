@@ -26,6 +26,7 @@ import itertools
 import math
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +207,7 @@ class ZarrFormat:
         Compressed chunks are compressed and decoded whole: ``max_memory`` then caps every
         chunk at a quarter of it, shards or not (``plan_arrays``)."""
         cap = max(1, max_memory // 4) if compress and max_memory else None
-        return ZarrWriter(compress=compress, chunk_bytes=max_shard_size, chunk_cap=cap)
+        return ZarrWriter(compress=compress, chunk_bytes=max_shard_size, chunk_cap=cap, max_memory=max_memory)
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -272,11 +273,13 @@ class ZarrWriter:
     output_is_dir = True
     finish_rewrites_data = True  # finish pads edge chunks and compresses: ranks' digests would be stale
 
-    def __init__(self, *, compress: bool = False, chunk_bytes: int | None = None, chunk_cap: int | None = None) -> None:
+    def __init__(self, *, compress: bool = False, chunk_bytes: int | None = None, chunk_cap: int | None = None,
+                 max_memory: int | None = None) -> None:
         self.compress = compress
         self.codecs = ZSTD_CODECS if compress else RAW_CODECS
         self.chunk_bytes = chunk_bytes
         self.chunk_cap = chunk_cap
+        self.max_memory = max_memory
 
     def arrays(self, target: Target) -> list[ArrayLayout]:
         return plan_arrays(target, self.codecs, self.chunk_bytes, self.chunk_cap)
@@ -287,10 +290,18 @@ class ZarrWriter:
 
     def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
         arrays = self.arrays(target)
-        for a in arrays:
-            for key, _ in a.chunks():
-                seal_chunk(staging / key, a.meta.chunk_nbytes, self.compress)
+        chunks = [(staging / key, a.meta.chunk_nbytes) for a in arrays for key, _ in a.chunks()]
+        with ThreadPoolExecutor(self._sealers(max((n for _, n in chunks), default=0))) as pool:
+            for _ in pool.map(lambda c: seal_chunk(c[0], c[1], self.compress), chunks):
+                pass
         write_metadata(LocalStore(staging), target, arrays)
+
+    def _sealers(self, largest_chunk: int) -> int:
+        """Threads compressing chunks at once (zstd releases the GIL): each holds a chunk and
+        its compressed form, and all of them fit in ``max_memory``; one without a budget."""
+        if not self.compress or not self.max_memory or not largest_chunk:
+            return 1
+        return max(1, min(os.cpu_count() or 1, 4, self.max_memory // (2 * largest_chunk)))
 
     def notices(self, target: Target) -> list[str]:
         arrays = self.arrays(target)

@@ -5,6 +5,7 @@ compressed chunks."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 import reshard
 from reshard.boxes import Box
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.zarr.format import ZarrFormat
+from reshard.formats.zarr.format import ZarrFormat, ZarrWriter
 from tests.fixtures import full_tensor
 
 zarr = pytest.importorskip("zarr")
@@ -122,6 +123,12 @@ def test_compressed_chunks_fit_the_memory_budget(tmp_path: Path) -> None:
         assert np.prod(chunk) * 4 <= 256 * 1024 and 300 % chunk[0] == 0, chunk  # shards are whole chunks
         assert any("smaller than their shards" in n for n in result.notices) == (mesh is not None)
         np.testing.assert_array_equal(zarr.open_group(store, mode="r")["w"][...], w.numpy())
+    # Chunks are compressed by several threads when the budget holds each one's chunk and its
+    # compressed form, by one when it does not.
+    cores = min(os.cpu_count() or 1, 4)
+    assert ZarrWriter(compress=True, max_memory=1 << 20)._sealers(256 << 10) == min(cores, 2)
+    assert ZarrWriter(compress=True, max_memory=1 << 20)._sealers(600 << 10) == 1
+    assert ZarrWriter(compress=False, max_memory=1 << 20)._sealers(1 << 10) == 1
 
     big = zarr.open_group(tmp_path / "big.zarr", mode="w").create_array("w", shape=(600, 1000), chunks=(600, 1000),
                                                                         dtype="float32")
