@@ -205,8 +205,10 @@ class ZarrFormat:
                max_memory: int | None = None, **options: Any) -> ZarrWriter:
         """``max_shard_size`` (``--max-shard-size``) caps the chunk size when no mesh sets it.
         Compressed chunks are compressed and decoded whole: ``max_memory`` then caps every
-        chunk at a quarter of it, shards or not (``plan_arrays``)."""
-        cap = max(1, max_memory // 4) if compress and max_memory else None
+        chunk at an eighth of it, shards or not (``plan_arrays``). A reader holds a chunk
+        compressed, decoded and copied, beside its slabs (``Engine._workers_for``): a reader
+        with the same budget then decodes on two workers, not one."""
+        cap = max(1, max_memory // 8) if compress and max_memory else None
         return ZarrWriter(compress=compress, chunk_bytes=max_shard_size, chunk_cap=cap, max_memory=max_memory)
 
 
@@ -310,5 +312,5 @@ class ZarrWriter:
         split = [a.name for a in arrays if a.split]
         if split:
             out.append(f"{len(split)} tensors (e.g. {split[0]!r}) are stored in chunks smaller than their shards: a "
-                       "compressed chunk is compressed and decoded whole, so each fits a quarter of --max-memory")
+                       "compressed chunk is compressed and decoded whole, so each fits an eighth of --max-memory")
         return out
