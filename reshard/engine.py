@@ -38,7 +38,7 @@ from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool
 from reshard.progress import Progress
-from reshard.regions import StoredRegion, as_region, read_exact
+from reshard.regions import StoredRegion, as_region, bytes_of_run, read_exact, read_in_place
 from reshard.sizes import format_size
 
 __all__ = ["Engine", "EngineStats", "assemble"]
@@ -125,16 +125,14 @@ def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdP
             return data
         return _buffer(into, piece_box.sizes, dtype).copy_(data)
     out = _buffer(into, piece_box.sizes, dtype)
-    flat = out.view(-1)
     for src in sources:
         part = src.box.intersect(piece_box)
         if part is None:
             continue
         local = part.shifted(piece_box.offsets)
-        run = contiguous_range(local, piece_box.sizes) if _stored_dtype(src) == dtype else None
-        dest = None if run is None else flat[run[0]: run[0] + run[1]].view(torch.uint8)
+        dest = bytes_of_run(out, local, _stored_dtype(src))
         data = _read_part(src.chunk.data, part.shifted(src.chunk.box.offsets), fds, dest)
-        if dest is None or data.data_ptr() != dest.data_ptr():  # not read in place (strided in its file)
+        if not read_in_place(data, dest):  # strided in its file, cast, or not a stored region
             out[local.as_slices()] = data
     return out
 

@@ -19,7 +19,7 @@ import torch
 from reshard.boxes import Box, contiguous_range, full_box
 from reshard.errors import CorruptCheckpointError
 
-__all__ = ["StoredRegion", "read_exact", "c_strides", "as_region"]
+__all__ = ["StoredRegion", "read_exact", "c_strides", "as_region", "bytes_of_run", "read_in_place"]
 
 _MIN_SPAN = 1 << 16  # a strided read may always span this much: fewer, larger reads of small boxes
 
@@ -154,6 +154,24 @@ class StoredRegion:
     def read_all(self) -> torch.Tensor:
         return self.read(full_box(self.shape))
 
+
+
+def bytes_of_run(out: torch.Tensor, box: Box, dtype: torch.dtype) -> torch.Tensor | None:
+    """``box`` of ``out`` as a uint8 view, when it is one run of contiguous CPU memory of
+    ``dtype``: a ``read_from(into=)`` buffer, so a stored part is read where it belongs
+    instead of into new memory and copied over. None otherwise."""
+    if out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous():
+        return None
+    run = contiguous_range(box, tuple(out.shape))
+    if run is None or not run[1]:
+        return None
+    return out.view(-1)[run[0]: run[0] + run[1]].view(torch.uint8)
+
+
+def read_in_place(part: torch.Tensor, dest: torch.Tensor | None) -> bool:
+    """Whether ``read_from`` put ``part`` in ``dest`` (a box stored as one run), so there is
+    nothing to copy."""
+    return dest is not None and part.numel() > 0 and part.data_ptr() == dest.data_ptr()
 
 
 def as_region(data: object) -> StoredRegion | None:

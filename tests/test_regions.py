@@ -68,3 +68,40 @@ def test_sparse_boxes_are_read_in_bounded_blocks(tmp_path: Path, monkeypatch: py
         reads.clear()
         assert torch.equal(region.read(box), t[box.as_slices()]), box
         assert max(reads) <= max(2 * box.numel * 4, min_span, box.sizes[-1] * 4), (box, max(reads))
+
+
+def test_parts_stored_as_one_run_are_read_where_they_belong(tmp_path: Path, monkeypatch) -> None:
+    """``bytes_of_run`` offers the part of a host tensor a box is, when it is one run of
+    memory of the stored dtype; the runtime's ``read_box`` (a send buffer, a CPU parameter)
+    then reads rows straight into it, and copies only what cannot be (a column block)."""
+    import reshard.regions as regions
+    from reshard.catalog import Chunk, TensorEntry
+    from reshard.regions import bytes_of_run
+    from reshard.runtime.transfer import OpenFiles, read_box
+
+    out = torch.zeros(4, 6)
+    view = bytes_of_run(out, Box((1, 0), (2, 6)), torch.float32)
+    assert view is not None and view.data_ptr() == out[1].data_ptr() and view.numel() == 48
+    assert bytes_of_run(out, Box((1, 2), (2, 3)), torch.float32) is None  # two runs
+    assert bytes_of_run(out, Box((1, 0), (2, 6)), torch.bfloat16) is None  # another dtype
+    assert bytes_of_run(out.t(), Box((0, 0), (6, 1)), torch.float32) is None  # not contiguous
+
+    fresh: list[int] = []
+    real_read = regions._read_tensor
+    monkeypatch.setattr(regions, "_read_tensor", lambda fd, n, off, path: fresh.append(n) or real_read(fd, n, off, path))
+    t = torch.randn(10, 6)
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    entry = TensorEntry("w", (10, 6), torch.float32, [
+        Chunk(Box((0, 0), (4, 6)), StoredRegion(_store(first, t[:4]), 13, torch.float32, (4, 6))),
+        Chunk(Box((4, 0), (6, 6)), StoredRegion(_store(second, t[4:]), 13, torch.float32, (6, 6)))])
+    files = OpenFiles()
+    try:
+        rows = torch.full((5, 6), float("nan"))
+        read_box(rows, Box((2, 0), (5, 6)), entry, files)  # rows 2-6: a run of each file
+        assert torch.equal(rows, t[2:7]) and fresh == []
+        cols = torch.full((5, 2), float("nan"))
+        read_box(cols, Box((2, 1), (5, 2)), entry, files)  # a column block: read, then copied
+        assert torch.equal(cols, t[2:7, 1:3]) and fresh
+    finally:
+        files.close()
