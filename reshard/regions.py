@@ -165,7 +165,7 @@ def bytes_of_run(out: torch.Tensor, box: Box, dtype: torch.dtype) -> torch.Tenso
     run = contiguous_range(box, tuple(out.shape))
     if run is None or not run[1]:
         return None
-    return out.view(-1)[run[0]: run[0] + run[1]].view(torch.uint8)
+    return out.detach().view(-1)[run[0]: run[0] + run[1]].view(torch.uint8)  # a write target only
 
 
 def read_in_place(part: torch.Tensor, dest: torch.Tensor | None) -> bool:
