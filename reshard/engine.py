@@ -38,10 +38,11 @@ from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool
 from reshard.progress import Progress
-from reshard.regions import StoredRegion, as_region, bytes_of_run, read_exact, read_in_place
+from reshard.regions import (BAND_BYTES, StoredRegion, as_region, bytes_of_run, fill_in_bands, read_exact,
+                             read_in_place)
 from reshard.sizes import format_size
 
-__all__ = ["Engine", "EngineStats", "assemble"]
+__all__ = ["Engine", "EngineStats", "assemble", "fill_from_sources"]
 
 _KERNEL_STEP = 1 << 30
 _FALLBACK_STEP = 8 << 20
@@ -84,20 +85,16 @@ def _buffer(into: torch.Tensor | None, sizes: tuple[int, ...], dtype: torch.dtyp
     return into[:nbytes].view(dtype).view(sizes)
 
 
-_CAST_BAND_BYTES = 2 << 20  # stored bytes read per step of a cast
+_CAST_BAND_BYTES = BAND_BYTES  # stored bytes read per step of a cast
 
 
-def _cast_in_bands(src: Source, stored: torch.dtype, piece_box: Box, dtype: torch.dtype, fds: FdPool | None,
+def _cast_in_bands(src: Source, stored: torch.dtype, piece_box: Box, fds: FdPool | None,
                    out: torch.Tensor) -> torch.Tensor:
-    """``piece_box`` of one source cast into ``out``, read a band at a time: each band's read
-    stays under the CLI's 4 MiB mmap threshold and reuses memory malloc holds, where one read
-    of the whole slab in its stored dtype would be fresh pages, faulted in and zeroed."""
-    flat, at = out.view(-1), 0
-    for band in c_order_slabs(piece_box, stored.itemsize, _CAST_BAND_BYTES):
-        n = band.numel
-        flat[at: at + n].view(band.sizes).copy_(_read_part(src.chunk.data, band.shifted(src.chunk.box.offsets), fds))
-        at += n
-    return out
+    """``piece_box`` of one source cast into ``out``, read a band at a time: one read of the
+    whole slab in its stored dtype would be fresh pages, faulted in and zeroed."""
+    offsets = src.chunk.box.offsets
+    return fill_in_bands(out, piece_box, stored.itemsize, _CAST_BAND_BYTES,
+                         lambda band: _read_part(src.chunk.data, band.shifted(offsets), fds))
 
 
 def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdPool | None = None,
@@ -118,18 +115,26 @@ def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdP
             return out
         stored = _stored_dtype(src)
         if into is not None and stored is not None and stored != dtype:
-            return _cast_in_bands(src, stored, piece_box, dtype, fds, _buffer(into, piece_box.sizes, dtype))
+            return _cast_in_bands(src, stored, piece_box, fds, _buffer(into, piece_box.sizes, dtype))
         direct = into if into is not None and stored == dtype else None
         data = _read_part(src.chunk.data, piece_box.shifted(src.chunk.box.offsets), fds, direct)
         if data.dtype == dtype:
             return data
         return _buffer(into, piece_box.sizes, dtype).copy_(data)
-    out = _buffer(into, piece_box.sizes, dtype)
+    return fill_from_sources(_buffer(into, piece_box.sizes, dtype), piece_box, sources, fds)
+
+
+def fill_from_sources(out: torch.Tensor, box: Box, sources: list[Source], fds: FdPool | None = None) -> torch.Tensor:
+    """Fill ``out`` (``box.sizes``, any dtype or device) with ``box`` (global coordinates)
+    from ``sources``, each part read on its own, so at most one part is held beside ``out``.
+    A part stored as one run that is one run of ``out`` (host memory of its dtype: a slab
+    buffer, a send buffer, a CPU parameter) is read straight into it; the rest are read and
+    copied over, cast on the way."""
     for src in sources:
-        part = src.box.intersect(piece_box)
+        part = src.box.intersect(box)
         if part is None:
             continue
-        local = part.shifted(piece_box.offsets)
+        local = part.shifted(box.offsets)
         dest = bytes_of_run(out, local, _stored_dtype(src))
         data = _read_part(src.chunk.data, part.shifted(src.chunk.box.offsets), fds, dest)
         if not read_in_place(data, dest):  # strided in its file, cast, or not a stored region

@@ -38,11 +38,12 @@ from typing import Any
 
 import torch
 
-from reshard.boxes import Box, c_order_slabs, full_box
+from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry, object_loader, pick_objects
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
 from reshard.keymap.chunks import read_box
 from reshard.provenance import CONFIG_OBJECT, hf_configs
+from reshard.regions import BAND_BYTES, fill_in_bands
 
 __all__ = ["QuantScheme", "SUPPORTED_METHODS", "quant_method", "find_quantized", "unpaired", "dequantized"]
 
@@ -243,9 +244,7 @@ def _scale_values(t: torch.Tensor) -> torch.Tensor:
 # Every value of each FP8 format as torch converts it: a gather from 256 entries is about 3x
 # faster than torch's per-element conversion on CPU, and gives the same bits (NaNs included).
 _FP8_TABLES = {d: torch.arange(256, dtype=torch.uint8).view(d).to(torch.float32) for d in _FP8}
-# Elements dequantized at a time: every temporary stays below the 4 MiB mmap threshold the CLI
-# sets, so it is served from memory malloc already holds instead of fresh pages.
-_BAND_BYTES = 2 << 20
+_BAND_BYTES = BAND_BYTES  # float32 bytes dequantized at a time
 
 
 def _fp8_to_float32(t: torch.Tensor) -> torch.Tensor:
@@ -273,11 +272,7 @@ class _Fp8Values:
         """Dequantize ``box`` into ``out`` (contiguous, of the box's sizes, any floating dtype:
         the float32 products are rounded into it), a band of rows at a time, so no temporary
         is as large as the box: the engine passes its slab buffer, in the target dtype."""
-        flat, at = out.view(-1), 0
-        for band in c_order_slabs(box, 4, _BAND_BYTES):
-            n = band.numel
-            flat[at: at + n].view(band.sizes).copy_(self._band(band))
-            at += n
+        fill_in_bands(out, box, 4, _BAND_BYTES, self._band)
 
     def _band(self, box: Box) -> torch.Tensor:
         out = _fp8_to_float32(read_box(self.weight, box))

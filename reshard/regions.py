@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from reshard.boxes import Box, contiguous_range, full_box
+from reshard.boxes import Box, c_order_slabs, contiguous_range, full_box
 from reshard.errors import CorruptCheckpointError
 
-__all__ = ["StoredRegion", "read_exact", "c_strides", "as_region", "bytes_of_run", "read_in_place"]
+__all__ = ["StoredRegion", "read_exact", "c_strides", "as_region", "bytes_of_run", "read_in_place", "fill_in_bands", "BAND_BYTES"]
 
 _MIN_SPAN = 1 << 16  # a strided read may always span this much: fewer, larger reads of small boxes
 
@@ -172,6 +173,25 @@ def read_in_place(part: torch.Tensor, dest: torch.Tensor | None) -> bool:
     """Whether ``read_from`` put ``part`` in ``dest`` (a box stored as one run), so there is
     nothing to copy."""
     return dest is not None and part.numel() > 0 and part.data_ptr() == dest.data_ptr()
+
+
+# Bytes of one band of ``fill_in_bands``: under the 4 MiB mmap threshold the CLI sets, so the
+# band's temporaries reuse memory malloc already holds instead of fresh pages, faulted in and
+# zeroed by the kernel each time.
+BAND_BYTES = 2 << 20
+
+
+def fill_in_bands(out: torch.Tensor, box: Box, itemsize: int, band_bytes: int,
+                  band: Callable[[Box], torch.Tensor]) -> torch.Tensor:
+    """Fill ``out`` (contiguous, ``box.sizes``) with ``band(sub)`` for C-order sub-boxes of
+    ``box`` of at most ``band_bytes`` at ``itemsize`` (cast into ``out``'s dtype on the way),
+    so no temporary behind it is as large as ``box``."""
+    flat, at = out.view(-1), 0
+    for sub in c_order_slabs(box, itemsize, band_bytes):
+        n = sub.numel
+        flat[at: at + n].view(sub.sizes).copy_(band(sub))
+        at += n
+    return out
 
 
 def as_region(data: object) -> StoredRegion | None:

@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from reshard.boxes import Box, c_order_slabs
 from reshard.catalog import TensorEntry
+from reshard.engine import fill_from_sources
 from reshard.plan import sources_for
 from reshard.fd_pool import FdPool
 from reshard.progress import Progress
-from reshard.regions import as_region, bytes_of_run, read_in_place
 from reshard.runtime.plan import LoadPlan
 from reshard.runtime.targets import Slot
 
@@ -42,24 +42,10 @@ class OpenFiles(FdPool):
 
 
 def read_box(out: torch.Tensor, box: Box, entry: TensorEntry, files: OpenFiles) -> None:
-    """Fill ``out`` (shape ``box.sizes``, any dtype or device) with ``box`` of ``entry``;
-    each stored part is read on its own, so at most one part is held beside ``out``, and a
-    part stored as one run that is one run of ``out`` (host memory of its dtype: a send
-    buffer, a CPU parameter) is read straight into it."""
-    for src in sources_for(entry, box):
-        local = src.box.shifted(src.chunk.box.offsets)
-        at = src.box.shifted(box.offsets)
-        data = src.chunk.data
-        region = as_region(data)
-        if region is not None:
-            dest = bytes_of_run(out, at, region.dtype)
-            with files.use(region.path) as fd:
-                part = region.read_from(fd, local, dest)
-            if read_in_place(part, dest):
-                continue
-        else:
-            part = data.read(local)
-        out[at.as_slices()] = part
+    """Fill ``out`` (shape ``box.sizes``, any dtype or device) with ``box`` of ``entry``, as
+    the engine fills a slab (``fill_from_sources``): rank 0's send buffer and CPU parameters
+    take the stored runs they hold straight from the file."""
+    fill_from_sources(out, box, sources_for(entry, box), files)
 
 
 def read_local(plan: LoadPlan, catalog_tensors: Mapping[str, TensorEntry], slots: Mapping[str, Slot],
