@@ -266,11 +266,11 @@ def verify(
             typer.echo(f"DIFF {d.name}: {d.kind}: {d.detail}")
         for note in result.notes:
             typer.echo(f"note: {note}")
-        verdict = "equal" if result.equal else f"{len(result.differences)} differences"
+        verdict = result.verdict()
         if quick:
-            verdict = "intact" if result.equal else f"{len(result.differences)} file(s) differ from the manifest"
+            verdict = "intact" if result.ok else f"{len(result.differences)} file(s) differ from the manifest"
         typer.echo(f"{verdict} ({result.compared} {'files checked' if quick else 'tensors compared'})")
-    if not result.equal:
+    if not result.ok:
         raise typer.Exit(1)
 
 

@@ -47,21 +47,47 @@ class Difference:
 
 @dataclass
 class VerifyResult:
-    """What ``reshard.verify`` found: ``equal`` is True when no difference was found."""
+    """What ``reshard.verify`` found. ``ok``: no difference under the comparison asked for
+    (the exit code). ``equal``: bit for bit, which a comparison with a tolerance never claims;
+    ``within_tolerance`` says what it does claim (None when no tolerance was given)."""
 
     a: Path
     b: Path
     compared: int = 0
     differences: list[Difference] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    atol: float | None = None
+    rtol: float | None = None
+
+    @property
+    def tolerant(self) -> bool:
+        return self.atol is not None or self.rtol is not None
+
+    @property
+    def ok(self) -> bool:
+        return not self.differences
 
     @property
     def equal(self) -> bool:
-        return not self.differences
+        return self.ok and not self.tolerant
+
+    @property
+    def within_tolerance(self) -> bool | None:
+        return self.ok if self.tolerant else None
+
+    def verdict(self) -> str:
+        """``equal``, ``within atol=0.01, rtol=0`` or ``3 differences``: what the CLI prints."""
+        if not self.ok:
+            return f"{len(self.differences)} differences"
+        if not self.tolerant:
+            return "equal"
+        given = ", ".join(f"{k}={v:g}" for k, v in (("atol", self.atol), ("rtol", self.rtol)) if v is not None)
+        return f"within {given} (not compared bit for bit)"
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "a": str(self.a), "b": str(self.b), "equal": self.equal, "compared": self.compared,
+            "a": str(self.a), "b": str(self.b), "equal": self.equal, "within_tolerance": self.within_tolerance,
+            "atol": self.atol, "rtol": self.rtol, "compared": self.compared,
             "differences": [d.__dict__ for d in self.differences], "notes": self.notes,
         }
 
@@ -192,7 +218,8 @@ def verify(
     only: str | None = None,
     progress: bool = False,
 ) -> VerifyResult:
-    """Compare checkpoints ``a`` and ``b``; ``result.equal`` is True when they match.
+    """Compare checkpoints ``a`` and ``b``; ``result.ok`` is True when they match (``equal``:
+    bit for bit; ``within_tolerance`` when ``atol``/``rtol`` were given).
 
     Exact by default: the same names, nesting, container types, dtypes, shapes and bits (a
     NaN equals only a NaN with the same bits; ``-0.0`` differs from ``0.0``), and objects of
@@ -222,7 +249,7 @@ def verify(
     if only is not None:
         ca, cb = _part(ca, only), _part(cb, only)
     budget = parse_size(max_memory)
-    result = VerifyResult(a, b)
+    result = VerifyResult(a, b, atol=atol, rtol=rtol)
     for what, left, right, side in (("tensor", ca.tensors, cb.tensors, "a"), ("object", ca.objects, cb.objects, "a"),
                                     ("tensor", cb.tensors, ca.tensors, "b"), ("object", cb.objects, ca.objects, "b")):
         other = b if side == "a" else a

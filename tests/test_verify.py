@@ -34,7 +34,7 @@ def test_exact_tolerant_and_nan_aware(tmp_path: Path) -> None:
     save_file({"a": base["a"].double(), "b": base["b"]}, tmp_path / "wide.safetensors")
     kinds = [d.kind for d in reshard.verify(tmp_path / "x.safetensors", tmp_path / "wide.safetensors").differences]
     assert kinds == ["dtype"]
-    assert reshard.verify(tmp_path / "x.safetensors", tmp_path / "wide.safetensors", atol=0.0).equal
+    assert reshard.verify(tmp_path / "x.safetensors", tmp_path / "wide.safetensors", atol=0.0).within_tolerance
 
 
 def _verify_cli(tmp_path: Path, a: dict, b: dict, *options: str, save=torch.save) -> int:
@@ -70,11 +70,12 @@ def test_tolerance_compares_complex_by_parts_and_casts_by_value(tmp_path: Path) 
     torch.save({"c": torch.tensor([1 + 1j, 2 - 3j]), "f": torch.tensor([1.0, 2.0])}, a)
     torch.save({"c": torch.tensor([1 + 1j, 2 - 3j], dtype=torch.complex128), "f": torch.tensor([1.0, 2.0]).bfloat16()}, b)
     assert not reshard.verify(a, b).equal
-    assert reshard.verify(a, b, atol=0).equal
+    close = reshard.verify(a, b, atol=0)
+    assert close.ok and close.within_tolerance and not close.equal  # a tolerance never claims bit equality
     torch.save({"c": torch.tensor([1 + 1j, 2 - 3.01j]), "f": torch.tensor([1.0, 2.0])}, b)
     diff = reshard.verify(a, b, atol=1e-3).differences
     assert [(d.name, d.detail) for d in diff] == [("c", "1 of 2 elements differ (max abs diff 0.00999999, max rel diff 0.00276711)")]
-    assert reshard.verify(a, b, atol=0.02).equal
+    assert reshard.verify(a, b, atol=0.02).within_tolerance
     with pytest.raises(UsageError, match="--atol -1.0: a tolerance must be a finite number >= 0"):
         reshard.verify(a, b, atol=-1.0)
     assert main(["verify", str(a), str(b), "--rtol", "nan"]) == 2
@@ -141,3 +142,24 @@ def test_exact_verify_is_torch_equal(tmp_path: Path, pair: tuple[torch.Tensor, t
     ext = "pt" if writer == "torch" else "safetensors"
     result = reshard.verify(tmp_path / f"a.{ext}", tmp_path / f"b.{ext}")
     assert result.equal == _reference_equal(a, b), (a, b, result.differences)
+
+
+def test_a_tolerance_says_within_never_equal(tmp_path: Path, capsys) -> None:
+    """fp32 against its bf16 cast with --atol: exit 0, "within atol=0.01", and JSON that does
+    not claim "equal"; without a tolerance the same pair differs (exit 1)."""
+    import json
+
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    w = torch.linspace(-1, 1, 33)
+    torch.save({"w": w}, a)
+    torch.save({"w": w.bfloat16()}, b)
+    assert main(["verify", str(a), str(b), "--atol", "1e-2"]) == 0
+    out = capsys.readouterr().out
+    assert "within atol=0.01" in out and "equal" not in out
+    assert main(["verify", str(a), str(b), "--atol", "1e-2", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["equal"], doc["within_tolerance"], doc["atol"], doc["rtol"]) == (False, True, 0.01, None)
+    assert main(["verify", str(a), str(a), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["equal"], doc["within_tolerance"]) == (True, None)
+    assert main(["verify", str(a), str(b)]) == 1
