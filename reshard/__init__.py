@@ -60,6 +60,7 @@ def inspect(path: str | os.PathLike, *, layout: str | None = None) -> Catalog:
 
         detect_layout(catalog, layout)  # an unknown name is a usage error
         catalog.attrs["layout"] = layout
+        catalog.attrs["layout_given"] = True
     return catalog
 
 

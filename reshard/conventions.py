@@ -16,8 +16,13 @@ instead of matching names of its own:
 * ``other``: anything else (step counters, schedulers, configs).
 
 The table below is the whole knowledge; ``detect_layout`` picks the row that explains the
-checkpoint (``--layout NAME`` overrides it). Optimizer state always follows its parameter
-because both are found through the same FQN.
+checkpoint by evidence, not by section names: optimizer state that finds its parameters
+beats a marker section, and a layout that leaves tensors unexplained loses to one that does
+not. When two rows explain a checkpoint about equally but disagree on what its tensors are,
+detection refuses (``AmbiguousLayoutError``) and names the candidates; ``--layout NAME``
+(``layout=`` in the API) settles it. ``Layout.reason`` says why a layout was chosen, and
+``layout_notices`` is what every command prints about it. Optimizer state always follows its
+parameter because both are found through the same FQN.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ from reshard.errors import UsageError
 if TYPE_CHECKING:
     from reshard.catalog import Catalog, NestedPath
 
-__all__ = ["Convention", "CONVENTIONS", "Place", "Layout", "detect_layout", "PARAM", "OPTIM_STATE", "OPTIM_GROUP",
-           "PER_RANK", "OTHER", "rename_path", "is_per_rank"]
+__all__ = ["Convention", "CONVENTIONS", "Place", "Layout", "detect_layout", "layout_notices", "AmbiguousLayoutError",
+           "PARAM", "OPTIM_STATE", "OPTIM_GROUP", "PER_RANK", "OTHER", "rename_path", "is_per_rank"]
 
 PARAM, OPTIM_STATE, OPTIM_GROUP, PER_RANK, OTHER = "param", "optim_state", "optim_group", "per_rank", "other"
 
@@ -55,6 +60,9 @@ class Convention:
     # How optimizer state names its parameter: "fqn-key" (state.<fqn>.exp_avg, torch's and
     # most tools'), "key-fqn" (state.exp_avg.<fqn>, Megatron-Core's).
     state_order: str = "fqn-key"
+    # False: only the tool's own reader records this layout (catalog.attrs["layout"]); its
+    # names alone are no evidence (verl's per-rank files look like torch's tutorial layout).
+    detected: bool = True
 
 
 # A name part that says "this is one rank's" outside the model (rank3, dp_rank_3, rank-3,
@@ -71,13 +79,15 @@ CONVENTIONS: tuple[Convention, ...] = (
                ("lr_scheduler.", "train_state.", "dataloader."), ("dataloader.*",), ("lr_scheduler", "train_state")),
     Convention("torchtitan-flat", "torchtitan CheckpointManager (model at the top level)", "", "optimizer.", "fqn",
                ("lr_scheduler.", "train_state.", "dataloader."), ("dataloader.*",), ("lr_scheduler", "train_state")),
-    Convention("reshard", "reshard train and torch's get_state_dict as {model, optim, ...}", "model.", "optim.", "index",
-               ("train.", "extra."), ()),
+    # torch's DCP tutorial (AppState: {"model", "optim"}) and our training loop; the sections
+    # users add beside them (train_state, extra...) are never parameters.
+    Convention("reshard", "torch's DCP tutorial and reshard train: {model, optim, ...}", "model.", "optim.", "index",
+               ("train.", "train_state.", "extra.", "lr_scheduler.", "scheduler.", "dataloader."), ()),
     Convention("torch-optimizer", "get_state_dict saved as {model, optimizer} (accelerate FSDP folders too)", "model.",
                "optimizer.", "index", ("lr_scheduler.", "scheduler.", "extra."), ()),
     # Recorded by the reader of verl's three sets of per-rank files, never guessed.
     Convention("verl", "verl per-rank model_/optim_/extra_state_ files", "model.", "optim.", "index", ("extra.",),
-               ("extra.rng*",)),
+               ("extra.rng*",), detected=False),
     # Recorded by the reader of accelerate's save_state folders (formats/accelerate.py).
     Convention("accelerate", "accelerate save_state with FSDP SHARDED_STATE_DICT", "model.", "optimizer.", "index",
                ("scheduler.", "sampler."), ("random_states_*",), ("random_states_0",)),
@@ -97,6 +107,8 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention("model", "a model state dict: HF, PEFT, torch.save(model.state_dict())", "", None, "index", ()),
 )
 _BY_NAME = {c.name: c for c in CONVENTIONS}
+_FALLBACK = "a model state dict: no other layout explains its names"  # the only reading: nothing to say
+_GIVEN, _RECORDED = "as given", "recorded by the checkpoint's reader"
 # What reshard itself records beside the tensors (an HF source's config.json...): never a
 # parameter, whatever the layout (reshard.provenance).
 _PROVENANCE = ("hf.", "reshard.")
@@ -122,9 +134,12 @@ def is_per_rank(name: str, globs: tuple[str, ...] = ()) -> bool:
 class Layout:
     """A convention applied to one checkpoint's names."""
 
-    def __init__(self, convention: Convention, names: Iterable[str], groups: str | None = None) -> None:
+    def __init__(self, convention: Convention, names: Iterable[str], groups: str | None = None, *,
+                 reason: str = _GIVEN, unexplained: tuple[str, ...] = ()) -> None:
         self.convention = convention
         self.groups = groups or convention.groups
+        self.reason = reason  # why this layout: as given, recorded by the reader, or the evidence
+        self.unexplained = unexplained  # non-scalar tensors it calls neither model nor optimizer state
         self._places: dict[str, Place] = {}
         self._names = list(names)
 
@@ -197,35 +212,88 @@ class Layout:
                 self.convention.optimizer is not None and name.startswith(self.convention.optimizer + "param_groups."))
         return name == only or name.startswith(only + ".")
 
-    def model_prefix(self) -> str:
-        return self.convention.model
+
+class AmbiguousLayoutError(UsageError):
+    """Two conventions explain a checkpoint about equally but disagree on what its tensors are."""
 
 
-def _score(convention: Convention, catalog: Catalog) -> tuple[int, int] | None:
-    """How well ``convention`` explains ``catalog`` (higher is better), or None when it cannot
-    be the one: its markers are absent, its optimizer state finds no parameter, or it would
-    call ``model.`` a section although nothing says so (HF names start with ``model.`` too)."""
+@dataclass(frozen=True)
+class _Evidence:
+    """What one convention makes of a checkpoint's names. Ranked by ``matched`` first (optimizer
+    state that finds its parameter is the strongest evidence a layout can have), then by the
+    three ``criteria``: fewer tensors left unexplained, its model section being a real nested
+    section of the checkpoint, a marker section present."""
+
+    convention: Convention
+    groups: str
+    params: int  # tensors it calls parameters
+    matched: int  # optimizer tensors whose FQN names a parameter (or a parameter index)
+    by_index: bool  # the optimizer state is keyed by parameter index, not by FQN
+    unexplained: tuple[str, ...]  # non-scalar tensors it can only call "other", outside its sections
+    nested: bool
+    marker: bool
+    alone: int = 0  # optimizer tensors with no model beside them: weaker evidence, nothing to match
+
+    @property
+    def criteria(self) -> tuple[int, bool, bool, int]:
+        return -len(self.unexplained), self.nested, self.marker, self.alone
+
+    def dominates(self, other: _Evidence) -> bool:
+        mine, theirs = self.criteria, other.criteria
+        return all(a >= b for a, b in zip(mine, theirs)) and mine != theirs
+
+    def reason(self) -> str:
+        c = self.convention
+        where = f"under {c.model}" if c.model else "at the top level"
+        parts = [f"{self.params} parameters {where}"] if c.model is not None else []
+        if self.matched:
+            keyed = "keyed by parameter index" if self.by_index else "matching their parameters by FQN"
+            parts.append(f"{self.matched} optimizer tensors under {c.optimizer}state. {keyed}")
+        if self.alone:
+            parts.append(f"{self.alone} optimizer tensors under {c.optimizer or ''}state. with no model beside them")
+        if self.marker:
+            parts.append("its sections " + ", ".join(m for m in c.markers))
+        if self.nested:
+            parts.append(f"{c.model[:-1]!r} saved as a section")
+        return "; ".join(parts) or "no tensors"
+
+
+def _evidence(convention: Convention, catalog: Catalog) -> _Evidence | None:
+    """What ``convention`` explains of ``catalog``, or None when it cannot be the one: its
+    markers are absent, its optimizer state finds no parameter, its optimizer keying contradicts
+    the state's, or it would call ``model.`` a section although nothing says so (HF names start
+    with ``model.`` too)."""
     tensors, objects = list(catalog.tensors), list(catalog.objects)
     heads = {n.split(".", 1)[0] for n in tensors + objects}
-    if convention.markers and not heads & set(convention.markers):
+    marker = bool(heads & set(convention.markers))
+    if convention.markers and not marker:
         return None
-    layout = Layout(convention, tensors + objects, _groups_style(convention, objects))
-    params = {p.fqn for n in tensors if (p := layout.place(n)).role == PARAM}
-    states = [p for n in tensors if (p := layout.place(n)).role == OPTIM_STATE]
+    groups = _groups_style(convention, objects)
+    layout = Layout(convention, tensors + objects, groups)
+    places = [(n, layout.place(n)) for n in tensors]
+    params = {p.fqn for _, p in places if p.role == PARAM}
+    states = [p for _, p in places if p.role == OPTIM_STATE]
     matched = sum(1 for p in states if p.fqn in params)
     by_id = sum(1 for p in states if p.fqn and p.fqn.isdigit())  # a plain optimizer's state: int ids, no FQNs
-    if convention.model is None:
-        return (0, len(states)) if states else None
+    if by_id and convention.groups == "fqn" and convention.model is not None:
+        return None  # the tool keys its optimizer state by FQN: index-keyed state is not its
+    if convention.model is None:  # optimizer state saved alone: nothing to match, its groups say it is one
+        has_groups = any(layout.place(n).role == OPTIM_GROUP for n in objects)
+        if not states or not has_groups:
+            return None
+        return _Evidence(convention, groups, 0, 0, bool(by_id), (), False, marker, len(states))
     if states and not matched and not by_id and params:
         return None  # optimizer state that finds none of the parameters: wrong model prefix
-    alone = len(states) if not params else by_id  # optimizer-only (accelerate's folder) or keyed by id
-    markers = 1 if convention.markers else 0
-    if convention.model:
-        nested = any(len(path) >= 2 and path[0] == convention.model[:-1] for path in catalog.paths.values())
-        if not (nested or matched or alone):
-            return None
-        return (markers, 2 * matched + len(params) + alone)
-    return (markers, 2 * matched + alone)
+    alone = len(states) if not params else 0  # optimizer state without a model beside it (accelerate's folder)
+    nested = bool(convention.model) and any(len(path) >= 2 and path[0] == convention.model[:-1]
+                                            for path in catalog.paths.values())
+    if convention.model and not (nested or matched or by_id or alone):
+        return None
+    sections = convention.sections + _PROVENANCE
+    unexplained = tuple(n for n, p in places if p.role == OTHER and catalog.tensors[n].shape
+                        and not any(n.startswith(s) or n == s.rstrip(".") for s in sections))
+    return _Evidence(convention, groups, len(params), matched + (by_id if params else 0), bool(by_id and not matched),
+                     unexplained, nested, marker, alone)
 
 
 def _groups_style(convention: Convention, objects: list[str]) -> str:
@@ -241,20 +309,79 @@ def _groups_style(convention: Convention, objects: list[str]) -> str:
     return convention.groups
 
 
-def detect_layout(catalog: Catalog, override: str | None = None) -> Layout:
+def _disagree(a: Layout, b: Layout, names: Iterable[str]) -> bool:
+    """Whether two layouts call some tensor something different (role, or parameter FQN)."""
+    for n in names:
+        pa, pb = a.place(n), b.place(n)
+        if pa.role != pb.role or (pa.role in (PARAM, OPTIM_STATE) and pa.fqn != pb.fqn):
+            return True
+    return False
+
+
+def detect_layout(catalog: Catalog, override: str | None = None, *, refuse_ambiguous: bool = True) -> Layout:
     """The layout ``catalog`` follows: ``override`` (a convention name), else the one its reader
-    recorded (``catalog.attrs["layout"]``), else the best explanation among ``CONVENTIONS``
-    (a plain model state dict when nothing else fits)."""
+    recorded (``catalog.attrs["layout"]``), else the convention that explains it best (a plain
+    model state dict when nothing else fits). Raises ``AmbiguousLayoutError`` when another
+    convention explains it about as well and calls some of its tensors something else, unless
+    ``refuse_ambiguous`` is False (a caller whose result does not depend on the layout, such
+    as a whole-tensor copy)."""
     tensors, objects = list(catalog.tensors), list(catalog.objects)
     choice = override or catalog.attrs.get("layout")
     if choice is not None:
         if choice not in _BY_NAME:
             raise UsageError(f"--layout {choice!r} is not one of: {', '.join(_BY_NAME)}")
         c = _BY_NAME[choice]
-        return Layout(c, tensors + objects, _groups_style(c, objects))
-    scored = [(score, -i, c) for i, c in enumerate(CONVENTIONS) if (score := _score(c, catalog)) is not None]
-    best = max(scored, key=lambda s: (s[0], s[1]))[2] if scored else _BY_NAME["model"]
-    return Layout(best, tensors + objects, _groups_style(best, objects))
+        how = _GIVEN if override or catalog.attrs.get("layout_given") else _RECORDED
+        return Layout(c, tensors + objects, _groups_style(c, objects), reason=how)
+    found = [e for c in CONVENTIONS if c.detected and (e := _evidence(c, catalog)) is not None]
+    order = {c.name: i for i, c in enumerate(CONVENTIONS)}
+    found.sort(key=lambda e: (-e.matched, tuple(-int(x) for x in e.criteria), order[e.convention.name]))
+    best = found[0]
+    only_model = len(found) == 1 and best.convention.name == "model"
+    layout = Layout(best.convention, tensors + objects, best.groups,
+                    reason=_FALLBACK if only_model else best.reason(), unexplained=best.unexplained)
+    for rival in found[1:] if refuse_ambiguous else ():
+        if rival.matched != best.matched or best.dominates(rival):
+            continue
+        other = Layout(rival.convention, tensors + objects, rival.groups)
+        if _disagree(layout, other, tensors):
+            raise AmbiguousLayoutError(
+                f"{catalog.path}: the layout is ambiguous: {_candidate(best)} or {_candidate(rival)}; pass "
+                f"--layout {best.convention.name} or --layout {rival.convention.name} (layout= in Python)")
+    return layout
+
+
+def _candidate(e: _Evidence) -> str:
+    c = e.convention
+    what = f"{c.name} (model under {c.model}" if c.model else f"{c.name} (every tensor a parameter"
+    if e.unexplained:
+        what += f"; {_names_brief(e.unexplained)} not model or optimizer state"
+    return what + ")"
+
+
+def _names_brief(names: tuple[str, ...]) -> str:
+    """``ema.* (12 tensors)``: names grouped by their first part."""
+    heads: dict[str, int] = {}
+    for n in names:
+        head = n.split(".", 1)[0]
+        heads[head] = heads.get(head, 0) + 1
+    shown = [f"{h}.* ({k} tensors)" if k > 1 else h for h, k in list(heads.items())[:4]]
+    return ", ".join(shown) + (f" and {len(heads) - 4} more sections" if len(heads) > 4 else "")
+
+
+def layout_notices(layout: Layout) -> list[str]:
+    """What a command says about the layout it used: which one and why, and which tensors it
+    leaves as they are because they are neither model nor optimizer state."""
+    if layout.reason == _FALLBACK:
+        out = []
+    elif layout.reason in (_GIVEN, _RECORDED):
+        out = [f"layout {layout.name} ({layout.reason})"]
+    else:
+        out = [f"layout {layout.name} ({layout.reason}); --layout NAME overrides it"]
+    if layout.unexplained:
+        out.append(f"{_names_brief(layout.unexplained)} not model or optimizer state under layout {layout.name}: "
+                   "kept as saved (not resharded, not cast)")
+    return out
 
 
 def rename_path(path: NestedPath, name: str, place: Place, new_fqn: str) -> NestedPath:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from reshard.catalog import Catalog, Target, pick_objects
-from reshard.conventions import detect_layout
+from reshard.conventions import detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError
@@ -273,7 +273,13 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
         raise UsageError("--hf-assets and --weights-only apply to --to hf")
     if layout is not None:
         detect_layout(catalog, layout)  # an unknown name is a usage error now, not after the keymap
-        catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout})
+        catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout, "layout_given": True})
+    # What the source's layout calls a parameter decides the output when anything but a plain
+    # copy is asked for: then refuse an ambiguous one before anything else, and say which one
+    # was used and why.
+    decides = mesh is not None or dtype is not None or only is not None or keymap is not None or to == "hf"
+    if decides:
+        catalog = replace(catalog, notices=[*catalog.notices, *layout_notices(detect_layout(catalog))])
     if config is not None:  # what model these tensors are: key maps and the HF export read it
         from reshard.formats.hf.files import load_config
 
@@ -297,7 +303,7 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
 
         carry_hf_configs(catalog)
     spec = parse_mesh(mesh) if mesh is not None else None
-    conventions = detect_layout(catalog)
+    conventions = detect_layout(catalog, refuse_ambiguous=decides)
     if spec is None:
         if only is None and to in ("torch", "safetensors") and conventions.name == "deepspeed":
             # One file from a ZeRO run is what zero_to_fp32 writes: the fp32 master weights.

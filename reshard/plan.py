@@ -83,11 +83,34 @@ class Casting:
         self.to, self.layout = to, layout
         self.param_shapes = {p.fqn: t.shape for n, t in catalog.tensors.items()
                              if (p := layout.place(n)).role == PARAM and p.fqn is not None}
+        self.cast: dict[str, int] = {}  # role -> tensors cast
+        self.kept: dict[str, int] = {}  # role -> floating tensors left in their dtype
 
     def dtype(self, name: str, entry: TensorEntry) -> torch.dtype:
         if self.to is None or not entry.dtype.is_floating_point:
             return entry.dtype
-        return self.to if self.layout.casts(name, entry.shape, self.param_shapes) else entry.dtype
+        casts = self.layout.casts(name, entry.shape, self.param_shapes)
+        tally = self.cast if casts else self.kept
+        role = self.layout.role(name)
+        tally[role] = tally.get(role, 0) + 1
+        return self.to if casts else entry.dtype
+
+    def notice(self) -> list[str]:
+        """What ``--dtype`` cast and which floating tensors it left alone, by role."""
+        if self.to is None:
+            return []
+
+        def words(tally: dict[str, int]) -> str:
+            return ", ".join(f"{k} {_ROLE_WORDS.get(r, r)}" for r, k in tally.items()) or "nothing"
+
+        to = str(self.to).removeprefix("torch.")
+        line = f"cast to {to} under layout {self.layout.name}: {words(self.cast)}"
+        return [line + (f"; kept as saved: {words(self.kept)} (optimizer steps, scalars, state that is neither "
+                        "model nor optimizer)" if self.kept else "")]
+
+
+_ROLE_WORDS = {"param": "parameters", "optim_state": "optimizer tensors", "optim_group": "optimizer hyper-parameters",
+               "per_rank": "per-rank tensors", "other": "other tensors"}
 
 
 def full_target(catalog: Catalog, *, dtype: torch.dtype | None = None, only: str | None = None,
@@ -105,7 +128,7 @@ def full_target(catalog: Catalog, *, dtype: torch.dtype | None = None, only: str
         objects=pick_objects(catalog.objects, objects),
         paths={n: p for n, p in catalog.paths.items() if n in out or n in objects},
         attrs=dict(catalog.attrs),
-        notices=list(catalog.notices),
+        notices=[*catalog.notices, *casting.notice()],
     )
 
 

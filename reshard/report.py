@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from reshard.catalog import Catalog
-from reshard.conventions import detect_layout
+from reshard.conventions import AmbiguousLayoutError, detect_layout
 from reshard.dtypes import dtype_name
 from reshard.sizes import format_size
 
@@ -30,9 +30,15 @@ def _jsonable(value: Any) -> Any:
 
 
 def _layout(catalog: Catalog) -> dict[str, Any]:
-    found = detect_layout(catalog)
+    """The layout and why; an ambiguous one is shown (name None, the reason says what to pass),
+    since inspecting is how a user finds out which ``--layout`` to give."""
+    try:
+        found = detect_layout(catalog)
+    except AmbiguousLayoutError as e:
+        return {"name": None, "writer": None, "param_groups": None, "reason": str(e), "unexplained": []}
     return {"name": found.name, "writer": found.convention.writer, "param_groups": found.groups
-            if found.convention.optimizer is not None else None}
+            if found.convention.optimizer is not None else None, "reason": found.reason,
+            "unexplained": list(found.unexplained)}
 
 
 _SHOWN = 160
@@ -165,7 +171,13 @@ def catalog_table(catalog: Catalog) -> str:
     fmt = "  ".join(f"{{:<{w}}}" if i in (0, 1, 2, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
     lines = [summary_line(catalog)]
     layout = _layout(catalog)
-    lines.append(f"layout: {layout['name']} ({layout['writer']})")
+    if layout["name"] is None:
+        lines.append(f"layout: ambiguous: {layout['reason']}")
+    else:
+        lines.append(f"layout: {layout['name']} ({layout['writer']}): {layout['reason']}")
+        if layout["unexplained"]:
+            lines.append(f"  not model or optimizer state: {', '.join(layout['unexplained'][:8])}"
+                         + (f" and {len(layout['unexplained']) - 8} more" if len(layout["unexplained"]) > 8 else ""))
     if "source_world_size" in catalog.attrs:
         lines.append(f"world size: {catalog.attrs['source_world_size']}")
     if (mesh := source_mesh(catalog)) is not None:
@@ -193,7 +205,7 @@ def catalog_repr(catalog: Catalog, html: bool = False) -> str:
     biggest = sorted(catalog.tensors.values(), key=lambda t: -t.nbytes)[:8]
     rows = [(t.name, dtype_name(t.dtype), "x".join(map(str, t.shape)) or "scalar", format_size(t.nbytes)) for t in biggest]
     more = len(catalog.tensors) - len(rows)
-    head = f"{summary_line(catalog)}; layout {detect_layout(catalog).name}; {len(catalog.objects)} objects"
+    head = f"{summary_line(catalog)}; layout {_layout(catalog)['name'] or 'ambiguous'}; {len(catalog.objects)} objects"
     if html:
         import html as h
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from reshard.catalog import Catalog, TensorEntry
-from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, PER_RANK, detect_layout, rename_path
+from reshard.conventions import (OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, PER_RANK, detect_layout, layout_notices,
+                                 rename_path)
 from reshard.errors import UsageError
 
 
@@ -96,3 +97,81 @@ def test_rename_path_keeps_the_text_around_the_fqn() -> None:
         "optimizer", "state", "model.q", "exp_avg")
     assert rename_path(("model", "layers", "0", "w"), "model.layers.0.w", titan.place("model.layers.0.w"), "a.b") == (
         "model", "a.b")
+
+
+def _shaped(tensors: dict[str, tuple[int, ...]], objects: list[str] = (), nested: bool = True) -> Catalog:
+    cat = _catalog([], objects, False)
+    cat.tensors = {n: TensorEntry(n, shape, torch.float32) for n, shape in tensors.items()}
+    if nested:
+        cat.paths = {n: tuple(n.split(".", 1)) for n in [*tensors, *objects]}
+    return cat
+
+
+PARAMS = {"embed.weight": (11, 8), "proj.weight": (8, 8), "head.weight": (11, 8)}
+
+
+def _optim(prefix: str, keyed: str) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for i, (fqn, shape) in enumerate(PARAMS.items()):
+        key = fqn if keyed == "fqn" else str(i)
+        out.update({f"{prefix}.state.{key}.exp_avg": shape, f"{prefix}.state.{key}.exp_avg_sq": shape,
+                    f"{prefix}.state.{key}.step": ()})
+    return out
+
+
+def test_evidence_beats_a_marker_section() -> None:
+    """torch's DCP tutorial {model, optim, train_state}: optimizer state that finds its
+    parameters under optim. wins over torchtitan's train_state marker (which explains none of it)."""
+    model = {f"model.{n}": s for n, s in PARAMS.items()}
+    for extra in ([], ["train_state.step", "train_state.epoch"], ["extra.seed"]):
+        cat = _shaped({**model, **_optim("optim", "fqn")}, ["optim.param_groups.0.lr", "optim.param_groups.0.params",
+                                                            *extra])
+        layout = detect_layout(cat)
+        assert layout.name == "reshard", extra
+        assert layout.place("optim.state.proj.weight.exp_avg").fqn == "proj.weight"
+        assert "9 optimizer tensors under optim.state. matching their parameters by FQN" in layout.reason
+        assert layout_notices(layout)[0].startswith("layout reshard (")
+    # {model, optimizer} keyed by index (opt.state_dict()): the plain optimizer's ids, never torchtitan's
+    cat = _shaped({**model, **_optim("optimizer", "index")}, ["optimizer.param_groups.0.lr",
+                                                                "optimizer.param_groups.0.params", "train_state.step",
+                                                                "lr_scheduler.last_epoch"])
+    layout = detect_layout(cat)
+    assert layout.name == "torch-optimizer" and "keyed by parameter index" in layout.reason
+    assert layout.place("optimizer.state.1.exp_avg").role == OPTIM_STATE
+    # torchtitan's own: FQN-keyed, its markers present; both readings agree, its marker decides
+    cat = _shaped({**model, **_optim("optimizer", "fqn")}, ["optimizer.param_groups.proj.weight.lr",
+                                                             "train_state.step", "lr_scheduler.last_epoch"])
+    assert detect_layout(cat).name == "torchtitan"
+
+
+def test_two_equal_explanations_are_refused_with_the_candidates() -> None:
+    """{model, ema} with no optimizer: "model." is a section, or every tensor is a parameter;
+    nothing decides, so detection refuses and names --layout; with it (or when the layout does
+    not change the result) it goes on."""
+    from reshard.conventions import AmbiguousLayoutError
+
+    cat = _shaped({**{f"model.{n}": s for n, s in PARAMS.items()}, **{f"ema.{n}": s for n, s in PARAMS.items()}})
+    with pytest.raises(AmbiguousLayoutError) as e:
+        detect_layout(cat)
+    message = str(e.value)
+    assert "--layout model" in message and "--layout reshard" in message and "ema.* (3 tensors)" in message
+    assert "\n" not in message
+    assert detect_layout(cat, "model").role("ema.proj.weight") == PARAM
+    assert detect_layout(cat, refuse_ambiguous=False).name in ("model", "reshard")
+    # one section named model: a nested section beats calling "model.x" a parameter name
+    alone = _shaped({f"model.{n}": s for n, s in PARAMS.items()} | {"step": ()})
+    layout = detect_layout(alone)
+    assert layout.name == "reshard" and layout.place("model.proj.weight").fqn == "proj.weight"
+    assert layout.unexplained == ()
+    # an extra section beside model and optimizer state is said, not guessed at
+    ema = _shaped({**{f"model.{n}": s for n, s in PARAMS.items()}, **_optim("optim", "fqn"),
+                   **{f"ema.{n}": s for n, s in PARAMS.items()}}, ["optim.param_groups.0.params"])
+    layout = detect_layout(ema)
+    assert layout.name == "reshard" and len(layout.unexplained) == 3
+    assert "ema.* (3 tensors) not model or optimizer state" in layout_notices(layout)[1]
+
+
+def test_hf_names_and_flat_state_dicts_are_models() -> None:
+    flat = _shaped({"model.embed_tokens.weight": (4, 2), "lm_head.weight": (4, 2)}, nested=False)
+    layout = detect_layout(flat)
+    assert layout.name == "model" and layout_notices(layout) == []  # the only reading: nothing to say

@@ -90,6 +90,28 @@ def _source_assets(catalog: Catalog) -> dict[str, Path]:
     return {name: folder / name for name in ASSET_FILES if (folder / name).is_file()}
 
 
+# Layouts whose parameters may carry torchtitan's names: its own, a plain model state dict (a
+# torchtitan model's state_dict(), or our hf-to-titan output), and our training loop's.
+_TITAN_LAYOUTS = ("torchtitan", "torchtitan-flat", "model", "reshard")
+
+
+def _titan_names(layout: str, fqns: list[str], titan: Any) -> str | None:
+    """None when the ``titan-to-hf`` map applies on its own: the layout is one torchtitan names
+    live in and the map knows every parameter. Otherwise why not, in words ("" when no name
+    looks like torchtitan's)."""
+    touched = [f for f in fqns if (r := titan.route(f)) is not None and r.names != (f,)]
+    if not touched:
+        return ""
+    if layout not in _TITAN_LAYOUTS:
+        return (f"titan-to-hf not applied: layout {layout} does not hold torchtitan's names, though {len(touched)} of "
+                f"{len(fqns)} parameter names look like them (e.g. {touched[0]!r}); pass --keymap titan-to-hf to rename")
+    unknown = [f for f in fqns if titan.route(f) is None]
+    if unknown:
+        return (f"titan-to-hf not applied: it knows {len(fqns) - len(unknown)} of the {len(fqns)} parameter names, "
+                f"not {unknown[0]!r}; pass --keymap with a map that covers them all")
+    return None
+
+
 def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str | None = None,
                    weights_only: bool = False) -> Catalog:
     """The catalog an HF folder is written from: HF names, model tensors only, config and the
@@ -110,10 +132,12 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
         catalog = load_keymap(preset).apply(catalog)
         notices.append(f"renamed {catalog.format} names to HF names ({preset} key map)")
         layout = detect_layout(catalog)
-    elif any((r := titan.route(fqn)) is not None and r.names != (fqn,) for fqn in fqns):
+    elif (skip := _titan_names(layout.name, fqns, titan)) is None:
         catalog = titan.apply(catalog)  # torchtitan names (and our training model's): to HF names
         notices.append(f"renamed torchtitan names to HF names (titan-to-hf key map, {titan_family(catalog)} family)")
         layout = detect_layout(catalog)
+    elif skip:
+        notices.append(skip)
     tensors, dropped = _model_tensors(catalog, layout)
     notices += dropped
     if config is None and train is not None:

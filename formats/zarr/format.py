@@ -245,7 +245,7 @@ def write_metadata(store: Store, target: Target, arrays: list[ArrayLayout]) -> N
         root[PATHS_KEY] = paths
         if target.attrs.get(CONTAINERS_ATTR):  # int-keyed dicts and tuples, which paths alone rebuild as lists
             root[CONTAINERS_KEY] = containers_to_json(target.attrs[CONTAINERS_ATTR])
-    skip = (*_LAYOUT_ATTRS, "zarr_attributes", CONTAINERS_ATTR)
+    skip = (*_LAYOUT_ATTRS, "zarr_attributes", "layout_given", CONTAINERS_ATTR)
     attrs, _ = _encodable({k: v for k, v in target.attrs.items() if k not in skip})
     if attrs:
         root[ATTRS_KEY] = attrs

@@ -68,6 +68,7 @@ def mesh_target(
         out_dtype = casting.dtype(name, entry)
         local, boxes, ranks = mesh_shards(entry.shape, placements[name], mesh, out_dtype.itemsize, load)
         tensors[name] = TargetTensor(name, entry.shape, out_dtype, boxes, ranks, local=local, placements=placements[name])
+    notices += casting.notice()
     kept = set(tensors) | set(objects)
     attrs = dict(catalog.attrs)
     attrs["target_mesh"] = {"shape": list(mesh.shape), "names": list(mesh.names)}

@@ -128,6 +128,7 @@ def _read_catalog(source: Path, keymap: Any, layout: str | None) -> Catalog:
 
         detect_layout(catalog, layout)  # an unknown name is a usage error
         catalog.attrs["layout"] = layout
+        catalog.attrs["layout_given"] = True
     if keymap is not None:
         from reshard.keymap.maps import load_keymap
 
