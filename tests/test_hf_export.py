@@ -113,3 +113,30 @@ def test_weights_only_and_config_from_an_hf_folder(trained: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (again / name).read_bytes() == (full / name).read_bytes(), name
     assert json.loads((again / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_titan_to_hf_is_not_applied_to_a_model_it_does_not_know(tmp_path: Path, capsys) -> None:
+    """torch's tutorial layout of a model that is not torchtitan's: one name (``norm.weight``)
+    looks like torchtitan's, the others do not; --to hf renames nothing and says why, where it
+    once renamed 1 of 6 tensors on its own."""
+    from reshard.example import TinyNet
+
+    import torch.distributed.checkpoint as dcp
+
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 11, (2, 5))).square().mean().backward()
+    opt.step()
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "train_state": {"step": 1}}, checkpoint_id=tmp_path / "ckpt",
+             no_dist=True)
+    out = tmp_path / "hf"
+    assert main(["convert", str(tmp_path / "ckpt"), str(out), "--to", "hf", "--weights-only"]) == 0
+    err = capsys.readouterr().err
+    assert "notice: layout reshard (6 parameters under model." in err
+    assert "titan-to-hf not applied: it knows 1 of the 6 parameter names" in err
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(out / "model.safetensors")) == sorted(model.state_dict())
