@@ -28,6 +28,7 @@ parameter because both are found through the same FQN.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -126,9 +127,14 @@ class Place:
     suffix: str = ""
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _per_rank_part(part: str) -> bool:
+    return _PER_RANK_PART.match(part) is not None  # parts repeat (layers, 0, experts...): cached
+
+
 def is_per_rank(name: str, globs: tuple[str, ...] = ()) -> bool:
     """Whether ``name`` holds one rank's private state (by a convention's globs or its parts)."""
-    return any(fnmatch.fnmatchcase(name, g) for g in globs) or any(_PER_RANK_PART.match(p) for p in name.split("."))
+    return any(fnmatch.fnmatchcase(name, g) for g in globs) or any(_per_rank_part(p) for p in name.split("."))
 
 
 class Layout:
@@ -325,6 +331,18 @@ def detect_layout(catalog: Catalog, override: str | None = None, *, refuse_ambig
     convention explains it about as well and calls some of its tensors something else, unless
     ``refuse_ambiguous`` is False (a caller whose result does not depend on the layout, such
     as a whole-tensor copy)."""
+    # Every step of a conversion asks; the answer holds while the catalog's tables and layout
+    # attributes are the ones it was computed from (steps make new catalogs, never edit one).
+    key = (override, catalog.attrs.get("layout"), bool(catalog.attrs.get("layout_given")), refuse_ambiguous,
+           id(catalog.tensors), len(catalog.tensors), id(catalog.objects), len(catalog.objects))
+    cache = catalog.__dict__.setdefault("_layouts", {})
+    if key not in cache:
+        cache.clear()
+        cache[key] = _detect(catalog, override, refuse_ambiguous)
+    return cache[key]
+
+
+def _detect(catalog: Catalog, override: str | None, refuse_ambiguous: bool) -> Layout:
     tensors, objects = list(catalog.tensors), list(catalog.objects)
     choice = override or catalog.attrs.get("layout")
     if choice is not None:
