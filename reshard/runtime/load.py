@@ -59,6 +59,7 @@ class LoadResult:
     objects: dict[str, Any] = field(default_factory=dict)
     bytes: int = 0  # bytes this rank read (parallel) or received; rank 0 in rank0 mode: read
     seconds: float = 0.0
+    notices: list[str] = field(default_factory=list)  # the layout used and why, how optimizer state was matched
 
 
 # ------------------------------------------------------------------------------ one world
@@ -165,7 +166,8 @@ class _Load:
 
 
 def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str, keymap: Any, strict: bool,
-             max_memory: str | int, layout: str | None = None) -> _Load:
+             max_memory: str | int, layout: str | None = None,
+             optimizer_groups: list[list[str]] | None = None) -> _Load:
     source = Path(source)
     slab_bytes = max(1, parse_size(max_memory) // 4)  # two send buffers plus the reads behind one
     slots = make_slots(state_dict)
@@ -174,7 +176,8 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
     if mode == "local":
         catalog = _read_catalog(source, keymap, layout)
-        plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes)
+        plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes,
+                              optimizer_groups=optimizer_groups)
         return _Load(source, mode, plan, slots, catalog)
     _comm_device()
     if mode == "rank0":
@@ -190,7 +193,8 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
             catalog = _read_catalog(source, keymap, layout)
             metas = [g[0] for g in gathered]
             aliases = [a for g in gathered for a in g[1]]
-            outcome = make_load_plan(catalog, metas, aliases, strict=strict, slab_bytes=slab_bytes)
+            outcome = make_load_plan(catalog, metas, aliases, strict=strict, slab_bytes=slab_bytes,
+                                     optimizer_groups=optimizer_groups)
         except BaseException as e:  # every rank must hear of it, or the others wait forever
             failure, outcome = e, _shared_error(e, source)
     if mode == "rank0":
@@ -213,7 +217,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
 def _result(load: _Load, nbytes: int, started: float) -> LoadResult:
     p = load.plan
     return LoadResult(load.source, load.mode, p.loaded, list(p.missing), list(p.unexpected), dict(p.objects),
-                      nbytes, time.perf_counter() - started)
+                      nbytes, time.perf_counter() - started, list(p.notices))
 
 
 # ------------------------------------------------------------------------------ public API
@@ -319,7 +323,8 @@ def load_model(
     else:
         msd, osd = get_state_dict(model, optimizer)
         targets = {**msd, LIVE_STATE.split(".")[0]: {"state": osd["state"]}}
-    load = _prepare(targets, source, mode, keymap, strict, max_memory, layout)
+    order = [[str(f) for f in g.get("params", [])] for g in osd["param_groups"]] if osd else None
+    load = _prepare(targets, source, mode, keymap, strict, max_memory, layout, order)
     groups = _param_groups(load.plan.groups, osd["param_groups"], strict, load.source) if osd else {}
     nbytes = load.execute(progress)
     # The filled tensors are the model's and optimizer's own memory; these calls are what makes

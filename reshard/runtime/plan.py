@@ -18,7 +18,7 @@ import torch
 
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog
-from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
+from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout, layout_notices
 from reshard.errors import CorruptCheckpointError, UsageError
 from reshard.plan import sources_for
 from reshard.runtime.targets import SlotMeta
@@ -63,6 +63,7 @@ class LoadPlan:
     # Optimizer hyper-parameters (lr, betas...) by param-group index (int) or by FQN (str), as
     # the checkpoint keys them; ``params`` lists left out.
     groups: dict[int | str, dict[str, Any]] = field(default_factory=dict)
+    notices: list[str] = field(default_factory=list)  # the layout used, how optimizer state was matched
 
     @property
     def total_bytes(self) -> int:
@@ -88,7 +89,7 @@ class _Names:
     """The checkpoint's tensors by what they are, so a live name finds its stored one whatever
     the tool that wrote the checkpoint called it (``reshard.conventions``)."""
 
-    def __init__(self, catalog: Catalog, layout: Layout) -> None:
+    def __init__(self, catalog: Catalog, layout: Layout, by_index: Mapping[str, str] | None = None) -> None:
         self.catalog = catalog
         self.params: dict[str, str] = {}
         self.state: dict[tuple[str, str], str] = {}
@@ -97,7 +98,8 @@ class _Names:
             if p.role == PARAM and p.fqn is not None:
                 self.params.setdefault(p.fqn, name)
             elif p.role == OPTIM_STATE and p.fqn is not None and p.key is not None:
-                self.state.setdefault((p.fqn, p.key), name)
+                fqn = by_index.get(p.fqn, p.fqn) if by_index else p.fqn
+                self.state.setdefault((fqn, p.key), name)
 
     def resolve(self, name: str) -> str | None:
         """A live name (a model FQN, or ``optim.state.<fqn>.<key>`` as ``load_model`` names
@@ -178,6 +180,33 @@ def group_values(catalog: Catalog, layout: Layout) -> dict[int | str, dict[str, 
     return out
 
 
+def _index_fqns(catalog: Catalog, layout: Layout, live_groups: Sequence[Sequence[str]]) -> dict[str, str]:
+    """Optimizer state keyed by parameter index (``opt.state_dict()``) to parameter FQNs, the
+    way torch's ``Optimizer.load_state_dict`` matches it: the saved param groups' ``params``
+    id lists, in order, against the live optimizer's groups (``live_groups``: FQNs in the
+    optimizer's order). Refused when the groups differ: an index is only a position."""
+    saved: dict[int, Any] = {}
+    for name in catalog.objects:
+        p = layout.place(name)
+        if p.role == OPTIM_GROUP and p.key == "params" and p.group is not None:
+            saved[p.group] = catalog.objects[name]
+    source = catalog.path
+    if not saved:
+        raise StateDictMismatchError(
+            f"{source}: its optimizer state is keyed by parameter index (as opt.state_dict() saves it) and records no "
+            "param_groups params lists to match the indexes to parameters. Nothing was loaded; save with torch's "
+            "get_state_dict (keyed by FQN), or load without optimizer=")
+    sizes = [len(saved[i]) if i in saved and isinstance(saved[i], (list, tuple)) else None for i in range(len(saved))]
+    live = [len(g) for g in live_groups]
+    if sizes != live:
+        raise StateDictMismatchError(
+            f"{source}: its optimizer state is keyed by parameter index (as opt.state_dict() saves it), in param groups "
+            f"of {sizes} parameters, but the optimizer has groups of {live}: the indexes cannot be matched to "
+            "parameters. Nothing was loaded; build the optimizer over the same parameters in the same groups and "
+            "order, or save with torch's get_state_dict (keyed by FQN)")
+    return {str(i): fqn for g, fqns in enumerate(live_groups) for i, fqn in zip(saved[g], fqns)}
+
+
 def make_load_plan(
     catalog: Catalog,
     metas: Sequence[Mapping[str, SlotMeta]],
@@ -186,21 +215,47 @@ def make_load_plan(
     strict: bool = True,
     slab_bytes: int,
     layout: Layout | None = None,
+    optimizer_groups: Sequence[Sequence[str]] | None = None,
 ) -> LoadPlan:
     """The plan that fills ``metas`` (one mapping per rank: name -> its part) from ``catalog``.
+    ``optimizer_groups``: the live optimizer's param groups as FQN lists, in its order, for
+    checkpoints whose optimizer state is keyed by parameter index.
 
     Raises ``StateDictMismatchError`` for names without a match (unless ``strict=False``) and
     always for shape mismatches, before anything is read or written.
     """
     source = str(catalog.path)
     layout = layout or detect_layout(catalog)
+    notices = layout_notices(layout)
     names = _union_names(metas)
     groups = _alias_of(names, aliases)
-    lookup = _Names(catalog, layout)
+    wants_state = any(n.startswith(LIVE_STATE) for n in names)
+    states = [p for n in catalog.tensors if (p := layout.place(n)).role == OPTIM_STATE]
+    if wants_state and not states and strict:
+        raise StateDictMismatchError(
+            f"{source}: the checkpoint holds no optimizer state (layout {layout.name}), but an optimizer was given. "
+            "Nothing was loaded; load without optimizer=, or pass strict=False to keep the optimizer's own state")
+    by_index = None
+    if wants_state and optimizer_groups is not None and states and all(p.fqn and p.fqn.isdigit() for p in states):
+        try:
+            by_index = _index_fqns(catalog, layout, optimizer_groups)
+            notices.append(f"optimizer state keyed by parameter index matched to the optimizer's {len(by_index)} "
+                           "parameters in order, as torch's Optimizer.load_state_dict does")
+        except StateDictMismatchError as e:
+            if strict:
+                raise
+            notices.append(str(e).replace("Nothing was loaded; ", "strict=False: its optimizer state was not loaded; "))
+    lookup = _Names(catalog, layout, by_index)
     resolved = {n: c for n in names if (c := lookup.resolve(n)) is not None}
     missing = [n for n in names if not any(a in resolved for a in groups[n])]
     consumed = set(resolved.values())
+    # Checkpoint tensors of the parts asked for and not loaded are "unexpected": the model's
+    # when model names were asked, the optimizer's when an optimizer was (found or not).
     sections = {_section(catalog, layout, c) for c in consumed}
+    if wants_state:
+        sections.add((OPTIM_STATE, None))
+    if any(not n.startswith(LIVE_STATE) for n in names):
+        sections.add((PARAM, None))
     unexpected = [c for c in catalog.tensors
                   if c not in consumed and (not consumed or _section(catalog, layout, c) in sections)]
     wrong = [f"{n!r} is {list(catalog.tensors[c].shape)} in the checkpoint ({c!r}) but {list(names[n].shape)} here"
@@ -226,4 +281,5 @@ def make_load_plan(
                 raise CorruptCheckpointError(f"{source}: {entry.name!r} stores only {covered} of the {box.numel} "
                                              f"elements of box {box}; the checkpoint is incomplete")
         items.append(TransferItem(target, entry.name, entry.shape, entry.dtype, boxes, broadcast))
-    return LoadPlan(items, slab_bytes, missing, unexpected, dict(catalog.objects), group_values(catalog, layout))
+    return LoadPlan(items, slab_bytes, missing, unexpected, dict(catalog.objects), group_values(catalog, layout),
+                    notices)
