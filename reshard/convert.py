@@ -18,14 +18,14 @@ from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError
 from reshard.formats.base import Writer
 from reshard.formats.pieces import FileLayout
-from reshard.formats.registry import detect_format, format_for_destination, get_format
-from reshard.formats.zarr.store import is_url
+from reshard.formats.registry import format_for_destination, get_format
 from reshard.mesh.layout import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
 from reshard.parallel import Workers, join_workers, split_files
 from reshard.mesh.placements import load_placement_plan
 from reshard.plan import Plan, full_target, make_plan, model_section
 from reshard.sizes import parse_size
+from reshard.sources import local_path, resolve_source
 from reshard.staging import StagedOutput
 
 __all__ = ["ConvertResult", "convert", "build_target", "write_output", "default_destination", "source_files"]
@@ -41,10 +41,11 @@ class ConvertResult:
     format, how many tensors and bytes of tensor data, how long it took, how many bytes the
     kernel copied without passing through memory, and what the user should know
     (``notices``: dropped per-rank state, objects a format cannot hold...). ``files`` lists the
-    output's data files and sizes; ``ranks``, for a mesh, each target rank's bytes."""
+    output's data files and sizes; ``ranks``, for a mesh, each target rank's bytes. ``src`` and
+    ``dst`` are paths, or the URL strings of remote stores."""
 
-    src: Path
-    dst: Path
+    src: Path | str
+    dst: Path | str
     format: str
     tensors: int
     bytes: int
@@ -159,58 +160,60 @@ def convert(
     writes nothing.
     """
     start = time.perf_counter()
-    if is_url(src) or is_url(dst):  # zarr stores behind fsspec URLs: no local staging (zarr_remote)
-        from reshard.formats.zarr.remote import convert_url
-
-        return convert_url(src, dst, to=to, mesh=mesh, placements=placements, dtype=dtype, only=only,
-                           max_memory=max_memory, overwrite=overwrite, quiet=quiet, compress=compress,
-                           keep_per_rank=keep_per_rank, keymap=keymap, max_shard_size=max_shard_size,
-                           exclude=exclude, layout=layout, config=config, hf_assets=hf_assets,
-                           weights_only=weights_only)
-    src = Path(src)
-    from reshard.hub import hub_source
-
-    src, beside = hub_source(src)  # a Hub repo id: its cached snapshot; outputs go to the cwd
+    source = resolve_source(src)
+    dst_path = local_path(dst) if dst is not None else None
+    remote_dst = str(dst) if dst is not None and dst_path is None else None  # a zarr store behind an fsspec URL
     budget = parse_size(max_memory)
     shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
-    fmt = detect_format(src)
-    catalog = fmt.read(src)
-    before = source_files(catalog)
+    catalog = source.catalog
+    before = source_files(catalog) if source.path is not None else {}
     if to is None:
-        to = destination_format(Path(dst)) if dst is not None else "dcp"
+        to = "zarr" if remote_dst else destination_format(dst_path) if dst_path is not None else "dcp"
+    if remote_dst is not None and to != "zarr":
+        raise UsageError(f"{remote_dst}: a URL destination is a zarr store; use --to zarr or a local DST")
     catalog, to, target, spec = build_target(catalog, to, mesh=mesh, placements=placements, dtype=dtype, only=only,
                                              keep_per_rank=keep_per_rank, keymap=keymap, budget=budget,
                                              exclude=exclude, layout=layout, config=config, hf_assets=hf_assets,
                                              weights_only=weights_only)
-    out_fmt = get_format(to)
     cast = str(parse_dtype(dtype)).removeprefix("torch.") if dtype is not None else None
-    dst = Path(dst) if dst is not None else default_destination(
-        beside, to, sharded=shard_size is not None, mesh_label=spec.label if spec else None, dtype=cast)
-    check_output_options(dst, to, sharded=shard_size is not None, compress=compress, mesh=mesh,
-                         keep_per_rank=keep_per_rank)
-    writer = out_fmt.writer(dst, max_shard_size=shard_size, **({"compress": True, "max_memory": budget} if compress else {}))
+    if dst_path is None and remote_dst is None:
+        if source.beside is None:
+            raise UsageError(f"{src}: a remote source needs an explicit DST (a path or URL)")
+        dst_path = default_destination(source.beside, to, sharded=shard_size is not None,
+                                       mesh_label=spec.label if spec else None, dtype=cast)
+    check_output_options(dst_path if dst_path is not None else Path(remote_dst), to, sharded=shard_size is not None,
+                         compress=compress, mesh=mesh, keep_per_rank=keep_per_rank)
+    writer = get_format(to).writer(dst_path if dst_path is not None else remote_dst, max_shard_size=shard_size,
+                                   **({"compress": True, "max_memory": budget} if compress else {}))
     files = writer.layout(target)
     plan = make_plan(catalog, files)
     notices = target.notices + list(writer.notices(target))
+    out = dst_path if dst_path is not None else remote_dst
+
+    def result(seconds: float, kernel_bytes: int = 0, dry: bool = False, ranks: dict | None = None) -> ConvertResult:
+        return ConvertResult(src=source.location, dst=out, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
+                             seconds=seconds, kernel_bytes=kernel_bytes, notices=notices, dry_run=dry,
+                             files=[(f.relpath or Path(str(out)).name, f.size) for f in files], ranks=ranks)
+
     if dry_run:
         from reshard.mesh.report import mesh_summary
 
         ranks = mesh_summary(target, detect_layout(catalog)) if target.mesh is not None else None
-        return ConvertResult(src=src, dst=dst, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
-                             seconds=time.perf_counter() - start, notices=notices, dry_run=True,
-                             files=[(f.relpath or dst.name, f.size) for f in files], ranks=ranks)
+        return result(time.perf_counter() - start, dry=True, ranks=ranks)
+    if remote_dst is not None:  # object stores have no rename: chunks first, the root zarr.json last
+        from reshard.formats.zarr.remote import write_url
+
+        write_url(remote_dst, plan, target, writer, max_memory=budget, overwrite=overwrite, workers=workers)
+        return result(time.perf_counter() - start)
     group = join_workers()
     try:
-        stats = write_output(plan, writer, target, files, dst, before, group, sources=(src,), label=src.name,
+        stats = write_output(plan, writer, target, files, dst_path, before, group,
+                             sources=(source.path,) if source.path is not None else (), label=source.label,
                              budget=budget, workers=workers, progress=not quiet, overwrite=overwrite, fsync=fsync)
     finally:
         if group is not None:
             group.close()
-    return ConvertResult(
-        src=src, dst=dst, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
-        seconds=time.perf_counter() - start, kernel_bytes=stats.kernel_bytes, notices=notices,
-        files=[(f.relpath or dst.name, f.size) for f in files],
-    )
+    return result(time.perf_counter() - start, stats.kernel_bytes)
 
 
 # Suffixes of files reshard does not write: a DST named so is a mistake, not a DCP folder name.

@@ -1,26 +1,58 @@
-"""What a SRC argument can be, resolved the same way by every command: a local path, a
-``file://`` or fsspec zarr URL, or an ``owner/name[@revision]`` Hub repo id."""
+"""What a SRC or DST argument can be, resolved the same way by every command: a local path, a
+``file://`` URL (a local path spelled as a URL), an fsspec URL of a zarr store (``memory://``,
+``s3://``...), or, for a source, an ``owner/name[@revision]`` Hub repo id."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.catalog import Catalog
 
-__all__ = ["read_catalog"]
+__all__ = ["Source", "read_catalog", "resolve_source", "local_path"]
+
+
+def local_path(location: str | os.PathLike) -> Path | None:
+    """The local path a location names (a path, or a ``file://`` URL); None for a remote URL."""
+    from reshard.formats.zarr.store import is_url
+
+    if not is_url(location):
+        return Path(location)
+    text = str(location)
+    return Path(text[len("file://"):]) if text.startswith("file://") else None
+
+
+@dataclass
+class Source:
+    """A resolved source: its catalog, the local path it was read from (None for a remote URL,
+    whose files cannot change under us or be overwritten by a local output), and the path
+    default output names are made beside (None: a remote source has no "beside")."""
+
+    location: str | Path
+    catalog: Catalog
+    path: Path | None
+    beside: Path | None
+
+    @property
+    def label(self) -> str:
+        return self.path.name if self.path is not None else str(self.location)
+
+
+def resolve_source(src: str | os.PathLike) -> Source:
+    """Read ``src``'s catalog (metadata only) wherever it is."""
+    path = local_path(src)
+    if path is None:
+        from reshard.formats.zarr.format import ZarrFormat
+
+        return Source(str(src), ZarrFormat().read(str(src)), None, None)
+    from reshard.formats.registry import detect_format
+    from reshard.hub import hub_source
+
+    path, beside = hub_source(path)  # a Hub repo id: its cached snapshot; outputs go to the cwd
+    return Source(path, detect_format(path).read(path), path, beside)
 
 
 def read_catalog(src: str | os.PathLike) -> Catalog:
     """The catalog of ``src``, metadata only."""
-    from reshard.formats.zarr.store import is_url
-
-    if is_url(src):
-        from reshard.formats.zarr.remote import _catalog
-
-        return _catalog(src)
-    from reshard.formats.registry import detect_format
-    from reshard.hub import hub_source
-
-    path, _ = hub_source(Path(src))
-    return detect_format(path).read(path)
+    return resolve_source(src).catalog
