@@ -226,9 +226,9 @@ class AmbiguousLayoutError(UsageError):
 @dataclass(frozen=True)
 class _Evidence:
     """What one convention makes of a checkpoint's names. Ranked by ``matched`` first (optimizer
-    state that finds its parameter is the strongest evidence a layout can have), then by the
-    three ``criteria``: fewer tensors left unexplained, its model section being a real nested
-    section of the checkpoint, a marker section present."""
+    state that finds its parameter is the strongest evidence a layout can have), then by its
+    ``criteria``: fewer tensors left unexplained, its model section being a real nested section
+    of the checkpoint, a marker section present, optimizer state saved without a model."""
 
     convention: Convention
     groups: str
@@ -237,12 +237,12 @@ class _Evidence:
     by_index: bool  # the optimizer state is keyed by parameter index, not by FQN
     unexplained: tuple[str, ...]  # non-scalar tensors it can only call "other", outside its sections
     nested: bool
-    marker: bool
+    markers: tuple[str, ...]  # its marker sections that the checkpoint has
     alone: int = 0  # optimizer tensors with no model beside them: weaker evidence, nothing to match
 
     @property
     def criteria(self) -> tuple[int, bool, bool, int]:
-        return -len(self.unexplained), self.nested, self.marker, self.alone
+        return -len(self.unexplained), self.nested, bool(self.markers), self.alone
 
     def dominates(self, other: _Evidence) -> bool:
         mine, theirs = self.criteria, other.criteria
@@ -257,8 +257,8 @@ class _Evidence:
             parts.append(f"{self.matched} optimizer tensors under {c.optimizer}state. {keyed}")
         if self.alone:
             parts.append(f"{self.alone} optimizer tensors under {c.optimizer or ''}state. with no model beside them")
-        if self.marker:
-            parts.append("its sections " + ", ".join(m for m in c.markers))
+        if self.markers:
+            parts.append("its sections " + ", ".join(self.markers))
         if self.nested:
             parts.append(f"{c.model[:-1]!r} saved as a section")
         return "; ".join(parts) or "no tensors"
@@ -271,8 +271,8 @@ def _evidence(convention: Convention, catalog: Catalog) -> _Evidence | None:
     with ``model.`` too)."""
     tensors, objects = list(catalog.tensors), list(catalog.objects)
     heads = {n.split(".", 1)[0] for n in tensors + objects}
-    marker = bool(heads & set(convention.markers))
-    if convention.markers and not marker:
+    markers = tuple(m for m in convention.markers if m in heads)
+    if convention.markers and not markers:
         return None
     groups = _groups_style(convention, objects)
     layout = Layout(convention, tensors + objects, groups)
@@ -287,7 +287,7 @@ def _evidence(convention: Convention, catalog: Catalog) -> _Evidence | None:
         has_groups = any(layout.place(n).role == OPTIM_GROUP for n in objects)
         if not states or not has_groups:
             return None
-        return _Evidence(convention, groups, 0, 0, bool(by_id), (), False, marker, len(states))
+        return _Evidence(convention, groups, 0, 0, bool(by_id), (), False, markers, len(states))
     if states and not matched and not by_id and params:
         return None  # optimizer state that finds none of the parameters: wrong model prefix
     alone = len(states) if not params else 0  # optimizer state without a model beside it (accelerate's folder)
@@ -299,7 +299,7 @@ def _evidence(convention: Convention, catalog: Catalog) -> _Evidence | None:
     unexplained = tuple(n for n, p in places if p.role == OTHER and catalog.tensors[n].shape
                         and not any(n.startswith(s) or n == s.rstrip(".") for s in sections))
     return _Evidence(convention, groups, len(params), matched + (by_id if params else 0), bool(by_id and not matched),
-                     unexplained, nested, marker, alone)
+                     unexplained, nested, markers, alone)
 
 
 def _groups_style(convention: Convention, objects: list[str]) -> str:
