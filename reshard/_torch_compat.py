@@ -12,7 +12,7 @@ import torch
 import torch._utils
 import torch.serialization
 
-__all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "TORCH_DTYPES"]
+__all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "init_optimizer_state", "TORCH_DTYPES"]
 
 # The function torch.save names for every tensor of a "new" dtype; torch.load accepts it for
 # all dtypes, so our writer uses it uniformly.
@@ -31,6 +31,14 @@ def dtensor_local_box(shape: tuple[int, ...], mesh: object, placements: tuple) -
     if len(offsets) != len(shape):
         return (0,) * len(shape), (0,) * len(shape)
     return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors (a zero-gradient step at lr 0), as torch's
+    ``get_state_dict`` does before loading, so a checkpoint's state can be copied into them."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
 
 
 TORCH_DTYPES: dict[str, torch.dtype] = {

@@ -309,29 +309,75 @@ def load_model(
     >>> model = Transformer(cfg); fully_shard(model, mesh=mesh); opt = AdamW(model.parameters())
     >>> reshard.load_model(model, "ckpt/step-1000", opt)   # saved on 64 GPUs, loaded on 48
     """
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     started = time.perf_counter()
-    if optimizer is None:
-        msd, osd = get_model_state_dict(model), None
-        targets: dict[str, Any] = dict(msd)
-    else:
-        msd, osd = get_state_dict(model, optimizer)
-        targets = {**msd, LIVE_STATE.split(".")[0]: {"state": osd["state"]}}
+    msd, osd, by_torch = _live_state(model, optimizer)
+    targets: dict[str, Any] = dict(msd)
+    if osd is not None:
+        targets[LIVE_STATE.split(".")[0]] = {"state": osd["state"]}
     order = [[str(f) for f in g.get("params", [])] for g in osd["param_groups"]] if osd else None
     load = _prepare(targets, source, mode, keymap, strict, max_memory, layout, order)
     groups = _param_groups(load.plan.groups, osd["param_groups"], strict, load.source) if osd else {}
     nbytes = load.execute(progress)
-    # The filled tensors are the model's and optimizer's own memory; these calls are what makes
-    # that true for wrappers that hand out copies, and what torch expects to be called.
-    set_model_state_dict(model, msd)
-    if osd is not None:
-        for index, values in groups.items():
-            osd["param_groups"][index].update(values)
-        set_optimizer_state_dict(model, optimizer, osd)
-    return _result(load, nbytes, started)
+    result = _result(load, nbytes, started)
+    if by_torch:
+        # The filled tensors are the model's and optimizer's own memory; these calls are what
+        # makes that true for wrappers that hand out copies, and what torch expects.
+        set_model_state_dict(model, msd)
+        if osd is not None:
+            for index, values in groups.items():
+                osd["param_groups"][index].update(values)
+            set_optimizer_state_dict(model, optimizer, osd)
+        return result
+    # The model's own state dict: its load hooks turn the names it saves back into its
+    # parameters (torchtitan's FusedQKVLinear fuses wq/wk/wv into wqkv); the optimizer's
+    # state tensors were filled in place.
+    model.load_state_dict(msd, strict=False)
+    for index, values in groups.items():
+        optimizer.param_groups[index].update(values)
+    result.notices.append("loaded through the model's own state_dict and load_state_dict: torch's get_state_dict "
+                          "cannot walk this model's state dict names to its parameters")
+    return result
+
+
+def _live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None, bool]:
+    """(model state dict, optimizer state dict keyed by FQN, whether torch's helpers made them).
+
+    torch's ``get_state_dict`` maps every state dict name back to a module attribute, which
+    fails for modules whose state dict hooks save their parameters under other names (the
+    stock names torchtitan's fused q/k/v projection writes). Those models are loaded the way
+    their own trainer loads them: ``model.state_dict()`` to fill, ``load_state_dict`` to apply,
+    and the optimizer's state keyed by the FQNs of ``named_parameters``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    try:
+        if optimizer is None:
+            return dict(get_model_state_dict(model)), None, True
+        msd, osd = get_state_dict(model, optimizer)
+        return dict(msd), osd, True
+    except (AttributeError, KeyError) as e:
+        if not _renamed_by_hooks(model):
+            raise UsageError(f"torch's get_state_dict cannot read this model ({type(e).__name__}: {e}); pass its "
+                             "state dict to reshard.load_state_dict instead") from e
+    msd = dict(model.state_dict())
+    if optimizer is None:
+        return msd, None, False
+    from reshard import _torch_compat
+
+    _torch_compat.init_optimizer_state(optimizer)
+    fqn_of = {id(p): fqn for fqn, p in model.named_parameters(remove_duplicate=False)}
+    missing = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in fqn_of]
+    if missing:
+        raise UsageError(f"the optimizer holds {len(missing)} parameters that are not the model's; pass the "
+                         "optimizer built over model.parameters()")
+    state = {fqn_of[id(p)]: optimizer.state[p] for g in optimizer.param_groups for p in g["params"] if p in optimizer.state}
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [fqn_of[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return msd, {"state": state, "param_groups": groups}, False
+
+
+def _renamed_by_hooks(model: torch.nn.Module) -> bool:
+    """Whether some module's state dict hooks change the names its parameters are saved under."""
+    return any(getattr(m, "_state_dict_hooks", None) or getattr(m, "_state_dict_pre_hooks", None)
+               for m in model.modules())
