@@ -12,7 +12,8 @@ import torch
 import torch._utils
 import torch.serialization
 
-__all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "init_optimizer_state", "TORCH_DTYPES"]
+__all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "dtensor_local_indices", "STRIDED_SHARD",
+           "init_optimizer_state", "TORCH_DTYPES"]
 
 # The function torch.save names for every tensor of a "new" dtype; torch.load accepts it for
 # all dtypes, so our writer uses it uniformly.
@@ -31,6 +32,41 @@ def dtensor_local_box(shape: tuple[int, ...], mesh: object, placements: tuple) -
     if len(offsets) != len(shape):
         return (0,) * len(shape), (0,) * len(shape)
     return tuple(int(o) for o in offsets), tuple(int(s) for s in sizes)
+
+
+def _strided_shard_type() -> type | None:
+    try:
+        from torch.distributed.tensor.placement_types import _StridedShard
+    except ImportError:  # torch builds without distributed
+        return None
+    return _StridedShard
+
+
+# FSDP2 over tensor parallelism shards a parameter's dim twice; the outer shard is a
+# ``_StridedShard`` whose pieces are not one box in general.
+STRIDED_SHARD: type | None = _strided_shard_type()
+
+
+def dtensor_local_indices(shape: tuple[int, ...], mesh: object, placements: tuple) -> list[torch.Tensor] | None:
+    """Per dim of a DTensor, the global indices this rank's local tensor holds, in local order
+    (torch's own rule for every ``Shard``/``_StridedShard`` placement, applied mesh dim by mesh
+    dim as ``compute_local_shape_and_global_offset`` does); None when this rank is outside
+    ``mesh``."""
+    from torch.distributed.tensor._utils import _get_shard_size_and_offsets
+
+    coordinate = mesh.get_coordinate()  # type: ignore[attr-defined]
+    if coordinate is None:
+        return None
+    sizes, index = list(shape), {}
+    for mesh_dim, placement in enumerate(placements):
+        dim = getattr(placement, "dim", None)
+        if dim is None:  # Replicate()
+            continue
+        size, offsets = _get_shard_size_and_offsets(sizes[dim], mesh.size(mesh_dim), coordinate[mesh_dim],  # type: ignore[attr-defined]
+                                                    placement, index.get(dim), shape[dim], False)
+        sizes[dim] = size
+        index[dim] = offsets[:size]
+    return [index[d] if d in index else torch.arange(n) for d, n in enumerate(shape)]
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

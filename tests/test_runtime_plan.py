@@ -25,11 +25,11 @@ def _catalog(shapes: dict[str, tuple[int, ...]], paths: dict | None = None, hole
 
 
 def _rows(shape: tuple[int, ...], start: int, n: int) -> SlotMeta:
-    return SlotMeta(shape, torch.bfloat16, Box((start,) + (0,) * (len(shape) - 1), (n, *shape[1:])))
+    return SlotMeta(shape, torch.bfloat16, (Box((start,) + (0,) * (len(shape) - 1), (n, *shape[1:])),) if n else ())
 
 
 def _whole(shape: tuple[int, ...]) -> SlotMeta:
-    return SlotMeta(shape, torch.float32, full_box(shape))
+    return SlotMeta(shape, torch.float32, (full_box(shape),))
 
 
 CKPT = {

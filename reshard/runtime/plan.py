@@ -162,8 +162,8 @@ def _boxes(name: str, metas: Sequence[Mapping[str, SlotMeta]]) -> tuple[tuple[tu
     by_box: dict[Box, list[int]] = {}
     for rank, rank_metas in enumerate(metas):
         meta = rank_metas.get(name)
-        if meta is not None and meta.box.numel > 0:
-            by_box.setdefault(meta.box, []).append(rank)
+        for box in meta.boxes if meta is not None else ():
+            by_box.setdefault(box, []).append(rank)
     whole = full_box(next(m[name].shape for m in metas if name in m))
     broadcast = len(metas) > 1 and list(by_box) == [whole] and len(by_box[whole]) == len(metas)
     boxes = tuple((b, tuple(r)) for b, r in sorted(by_box.items(), key=lambda kv: kv[0].offsets))
@@ -226,7 +226,7 @@ def make_load_plan(
     """
     source = str(catalog.path)
     layout = layout or detect_layout(catalog)
-    notices = layout_notices(layout)
+    notices = [*catalog.notices, *layout_notices(layout)]
     names = _union_names(metas)
     groups = _alias_of(names, aliases)
     wants_state = any(n.startswith(LIVE_STATE) for n in names)

@@ -55,14 +55,15 @@ def read_local(plan: LoadPlan, catalog_tensors: Mapping[str, TensorEntry], slots
     try:
         for item in plan.items:
             slot = slots.get(item.target)
-            if slot is None or slot.meta.box.numel == 0:
+            if slot is None:
                 continue
             entry = catalog_tensors[item.source]
-            for slab in c_order_slabs(slot.meta.box, entry.dtype.itemsize, plan.slab_bytes):
-                read_box(slot.region(slab), slab, entry, files)
-                n = slab.numel * entry.dtype.itemsize
-                done += n
-                progress.update(n)
+            for box in slot.meta.boxes:
+                for slab in c_order_slabs(box, entry.dtype.itemsize, plan.slab_bytes):
+                    read_box(slot.region(slab), slab, entry, files)
+                    n = slab.numel * entry.dtype.itemsize
+                    done += n
+                    progress.update(n)
     finally:
         files.close()
     return done
@@ -140,12 +141,13 @@ def send_boxes(plan: LoadPlan, catalog_tensors: Mapping[str, TensorEntry], slots
 def receive_boxes(plan: LoadPlan, slots: Mapping[str, Slot], device: torch.device) -> int:
     """Every rank but 0: receive this rank's slabs, in the order rank 0 sends them."""
     scratch: torch.Tensor | None = None
-    done = 0
+    done, rank = 0, dist.get_rank()
     for item in plan.items:
         slot = slots.get(item.target)
-        if slot is None or slot.meta.box.numel == 0:
+        if slot is None:
             continue
-        for slab in c_order_slabs(slot.meta.box, item.dtype.itemsize, plan.slab_bytes):
+        mine = [box for box, ranks in item.boxes if rank in ranks]
+        for slab in (s for box in mine for s in c_order_slabs(box, item.dtype.itemsize, plan.slab_bytes)):
             region = slot.region(slab)
             direct = region.is_contiguous() and region.dtype == item.dtype and region.device == device
             if direct:
