@@ -14,8 +14,11 @@
 The two DCP folders already name their tensors under ``model.`` and ``optimizer.`` (the
 optimizer state keyed by parameter FQN, ``param_groups`` listing FQNs), so they merge without
 renaming, and the catalog records ``attrs["layout"] = "accelerate"``. A folder with a second
-model (``pytorch_model_fsdp_1/``) would put two models under one name: refused, naming the
-folder to convert on its own. Each part is read by its own format's reader, with its checks.
+model (``pytorch_model_fsdp_1/``, its optimizer in ``optimizer_1/``) would put two models under
+one name: read whole it is refused, naming the ways out; ``read(path, model_index=1)`` (what
+``reshard.load_model(..., section=1)`` asks for) reads that model and its optimizer as the
+``model.`` and ``optimizer.`` sections. Each part is read by its own format's reader, with its
+checks.
 """
 
 from __future__ import annotations
@@ -28,22 +31,38 @@ from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
 from reshard.structure import CONTAINERS_ATTR
 
-__all__ = ["AccelerateFormat", "MODEL_DIR", "OPTIMIZER_DIR"]
+__all__ = ["AccelerateFormat", "MODEL_DIR", "OPTIMIZER_DIR", "model_indices"]
 
-MODEL_DIR, OPTIMIZER_DIR = "pytorch_model_fsdp_0", "optimizer_0"
+_MODEL_STEM = "pytorch_model_fsdp"
+MODEL_DIR, OPTIMIZER_DIR = f"{_MODEL_STEM}_0", "optimizer_0"
 _NUMBERED = re.compile(r"(pytorch_model_fsdp|optimizer)_(\d+)")
 _PART_FILE = re.compile(r"[A-Za-z_][\w-]*\.(bin|pkl)")
 
 
-def _dcp_parts(path: Path) -> dict[str, Path]:
-    """section -> DCP folder of an accelerate save_state folder."""
-    numbered = sorted(p.name for p in path.iterdir() if p.is_dir() and _NUMBERED.fullmatch(p.name))
-    extra = [n for n in numbered if n not in (MODEL_DIR, OPTIMIZER_DIR)]
-    if extra:
-        raise UnsupportedFormatError(
-            f"{path}: an accelerate folder of several models or optimizers ({', '.join(numbered)}); their names "
-            f"collide in one checkpoint: convert each folder on its own, e.g. reshard convert {path / extra[0]}")
-    parts = {"model": path / MODEL_DIR, "optimizer": path / OPTIMIZER_DIR}
+def model_indices(path: Path) -> list[int]:
+    """The model numbers of an accelerate folder: ``pytorch_model_fsdp_<i>/`` (accelerate numbers
+    the models and the optimizers ``prepare`` saw, each in order)."""
+    found = (_NUMBERED.fullmatch(p.name) for p in Path(path).iterdir() if p.is_dir())
+    return sorted(int(m[2]) for m in found if m is not None and m[1] == _MODEL_STEM)
+
+
+def _dcp_parts(path: Path, model_index: int | None) -> dict[str, Path]:
+    """section -> DCP folder of an accelerate save_state folder: model ``model_index`` and the
+    optimizer of the same number."""
+    if model_index is None:
+        numbered = sorted(p.name for p in path.iterdir() if p.is_dir() and _NUMBERED.fullmatch(p.name))
+        extra = [n for n in numbered if n not in (MODEL_DIR, OPTIMIZER_DIR)]
+        if extra:
+            last = max(model_indices(path))
+            raise UnsupportedFormatError(
+                f"{path}: an accelerate folder of several models or optimizers ({', '.join(numbered)}); their names "
+                f"collide in one checkpoint: load one with reshard.load_model(..., section={last}), or convert each "
+                f"folder on its own, e.g. reshard convert {path / extra[0]}")
+        model_index = 0
+    elif model_index not in model_indices(path):
+        raise UsageError(f"{path}: section={model_index!r} names no model of this accelerate folder; its models are "
+                         f"{', '.join(map(str, model_indices(path)))} ({_MODEL_STEM}_<i>/)")
+    parts = {"model": path / f"{_MODEL_STEM}_{model_index}", "optimizer": path / f"optimizer_{model_index}"}
     return {section: p for section, p in parts.items() if p.is_dir()}
 
 
@@ -53,14 +72,16 @@ class AccelerateFormat:
     def detect(self, path: Path) -> bool:
         return path.is_dir() and not (path / ".metadata").exists() and (path / MODEL_DIR / ".metadata").is_file()
 
-    def read(self, path: Path) -> Catalog:
+    def read(self, path: Path, model_index: int | None = None) -> Catalog:
+        """The folder as one checkpoint; ``model_index`` picks one model (and its optimizer) of
+        a folder that holds several."""
         from reshard.formats.dcp.format import DCPFormat
         from reshard.formats.torch.save import TorchSaveFormat
 
         path = Path(path)
         catalog = Catalog(format=self.name, path=path, objects=ObjectTable(), attrs={"layout": "accelerate"})
         containers: dict[tuple, str] = {}
-        for section, folder in _dcp_parts(path).items():
+        for section, folder in _dcp_parts(path, model_index).items():
             part = DCPFormat().read(folder)
             stray = next((n for n in [*part.tensors, *part.objects] if not n.startswith(section + ".")), None)
             if stray is not None:

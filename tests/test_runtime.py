@@ -308,3 +308,21 @@ def _cuda_gloo_ranks(rank: int, world: int, ckpt: str, ref: str) -> None:
     assert model.embed.weight.is_cuda
     _check_model(model, full)
     _check_optim(model, opt, full)
+
+
+def test_section_loads_another_section_as_the_model(tmp_path: Path) -> None:
+    """``section="ema"``: a DCP of ``{"model", "ema", "optim"}`` (torch's dcp.save) loads its EMA
+    copy into the model and says that the model section was not read."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model, ema = TinyNet(), TinyNet()
+    dcp.save({"model": model.state_dict(), "ema": ema.state_dict(), "step": 3}, checkpoint_id=tmp_path / "ckpt")
+    live = TinyNet()
+    result = reshard.load_model(live, tmp_path / "ckpt", section="ema", progress=False)
+    assert result.missing == [] and result.unexpected == []
+    for k, v in live.state_dict().items():
+        assert torch.equal(v, ema.state_dict()[k]), k
+    assert any("section='ema'" in n and "not read" in n for n in result.notices), result.notices
+    with pytest.raises(UsageError, match="its sections are ema, model"):
+        reshard.load_model(TinyNet(), tmp_path / "ckpt", section="emma", progress=False)

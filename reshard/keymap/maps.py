@@ -197,7 +197,8 @@ class KeyMap:
         if name not in found:
             raise UsageError(
                 f"key map {self.name!r} needs {name!r} and {catalog.path} records no model config with it; "
-                f'give it in a JSON map: {{"params": {{"{name}": ...}}, "rules": ...}}'
+                "give the model's config.json (--config on the CLI, config= in reshard.load_model and "
+                f'load_state_dict) or a JSON map: {{"params": {{"{name}": ...}}, "rules": ...}}'
             )
         return found[name]
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from reshard import errors
-from reshard.catalog import Catalog
+from reshard.catalog import Catalog, ObjectTable, object_loader
 from reshard.errors import ReshardError, UsageError
 from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
@@ -120,10 +120,22 @@ def _raise_shared(err: tuple[str, str]) -> None:
 # ------------------------------------------------------------------------------ the plan
 
 
-def _read_catalog(source: Path, keymap: Any, layout: str | None) -> Catalog:
+def _read_catalog(source: Path, keymap: Any, layout: str | None, config: Any = None,
+                  section: str | int | None = None) -> Catalog:
     from reshard.formats.registry import detect_format
 
-    catalog = detect_format(source).read(source)
+    fmt = detect_format(source)
+    if section is None:
+        catalog = fmt.read(source)
+    elif fmt.name == "accelerate":  # one model of several, with its optimizer
+        catalog = fmt.read(source, model_index=_model_index(section))
+        catalog.notices.append(f"section={section!r}: model {_model_index(section)} and its optimizer of {source}")
+    else:
+        catalog = _section_as_model(fmt.read(source), str(section))
+    if config is not None:  # what model these tensors are: key maps read its head counts
+        from reshard.formats.hf.files import load_config
+
+        catalog.attrs["hf_config"] = load_config(config)
     if layout is not None:
         from reshard.conventions import detect_layout
 
@@ -135,6 +147,41 @@ def _read_catalog(source: Path, keymap: Any, layout: str | None) -> Catalog:
 
         catalog = load_keymap(keymap).apply(catalog)
     return catalog
+
+
+def _model_index(section: str | int) -> int:
+    """``1``, ``"1"`` or ``"pytorch_model_fsdp_1"``: the number accelerate gave the model."""
+    text = str(section).rpartition("_")[2]
+    if not text.isdigit():
+        raise UsageError(f"section={section!r}: an accelerate folder's models are numbered: pass section=1 "
+                         "for pytorch_model_fsdp_1/")
+    return int(text)
+
+
+def _section_as_model(catalog: Catalog, section: str) -> Catalog:
+    """The tensors and objects under ``section.`` as the ``model.`` section (an EMA copy, a
+    second model), in place of the checkpoint's own ``model.``; the other sections stay."""
+    if not any(n.startswith(section + ".") for n in catalog.tensors):
+        tops = sorted({n.split(".", 1)[0] for n in catalog.tensors if "." in n})
+        raise UsageError(f"{catalog.path}: section={section!r} holds no tensors; its sections are {', '.join(tops)}")
+
+    def moved(name: str) -> str | None:
+        if name.startswith(section + "."):
+            return "model." + name[len(section) + 1:]
+        return None if name.startswith("model.") and section != "model" else name
+
+    names = {n: moved(n) for n in [*catalog.tensors, *catalog.objects]}
+    out = Catalog(format=catalog.format, path=catalog.path, attrs=dict(catalog.attrs), notices=list(catalog.notices))
+    out.tensors = {names[n]: e.renamed(names[n]) for n, e in catalog.tensors.items() if names[n] is not None}
+    out.objects = ObjectTable({names[n]: object_loader(catalog.objects, n) for n in catalog.objects
+                               if names[n] is not None})
+    out.paths = {names[n]: ("model", *p[1:]) if names[n] != n else p
+                 for n, p in catalog.paths.items() if names.get(n) is not None}
+    out.attrs.pop("layout", None)  # what the reader took the names for no longer holds
+    dropped = sum(1 for n in catalog.tensors if names[n] is None)
+    out.notices.append(f"section={section!r}: its tensors are loaded as the model"
+                       + (f"; the checkpoint's own model section ({dropped} tensors) is not read" if dropped else ""))
+    return out
 
 
 @dataclass
@@ -152,7 +199,7 @@ class _Load:
         if self.mode == "rank0":
             total = self.plan.total_bytes
         else:
-            total = sum(self.slots[i.target].meta.box.numel * i.dtype.itemsize
+            total = sum(self.slots[i.target].meta.numel * i.dtype.itemsize
                         for i in self.plan.items if i.target in self.slots)
         bar = Progress(total, f"loading {self.source.name}", enabled=progress and rank == 0)
         try:
@@ -167,7 +214,8 @@ class _Load:
 
 def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str, keymap: Any, strict: bool,
              max_memory: str | int, layout: str | None = None,
-             optimizer_groups: list[list[str]] | None = None) -> _Load:
+             optimizer_groups: list[list[str]] | None = None, config: Any = None,
+             section: str | int | None = None) -> _Load:
     source = Path(source)
     slab_bytes = max(1, parse_size(max_memory) // 4)  # two send buffers plus the reads behind one
     slots = make_slots(state_dict)
@@ -175,7 +223,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     mode = _choose_mode(mode, source, world)
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
     if mode == "local":
-        catalog = _read_catalog(source, keymap, layout)
+        catalog = _read_catalog(source, keymap, layout, config, section)
         plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes,
                               optimizer_groups=optimizer_groups)
         return _Load(source, mode, plan, slots, catalog)
@@ -190,7 +238,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     catalog, outcome, failure = None, None, None
     if rank == 0 or mode == "parallel":
         try:
-            catalog = _read_catalog(source, keymap, layout)
+            catalog = _read_catalog(source, keymap, layout, config, section)
             metas = [g[0] for g in gathered]
             aliases = [a for g in gathered for a in g[1]]
             outcome = make_load_plan(catalog, metas, aliases, strict=strict, slab_bytes=slab_bytes,
@@ -233,6 +281,8 @@ def load_state_dict(
     *,
     progress: bool = True,
     layout: str | None = None,
+    config: str | os.PathLike | None = None,
+    section: str | int | None = None,
 ) -> LoadResult:
     """Fill the tensors of ``state_dict`` (DTensors or plain, nested like DCP state dicts) in
     place from checkpoint ``source``, in any format reshard reads.
@@ -241,7 +291,11 @@ def load_state_dict(
     one. Names match exactly, then as the parameter (or its optimizer state) of the same FQN
     under the checkpoint's layout, whichever tool wrote it (``reshard.conventions``; ``layout``
     names one when detection is wrong); ``keymap`` (a preset name, a JSON path or a dict)
-    renames the checkpoint's names first.
+    renames the checkpoint's names first; ``config`` (a config.json, an HF folder or a Hub repo
+    id) gives a key map the model's head counts when the checkpoint records none, as
+    ``--config`` does on the CLI; ``section`` picks one model of an accelerate folder holding
+    several (``1`` for ``pytorch_model_fsdp_1/`` and ``optimizer_1/``), or a section other
+    than ``model`` to load as the model (``"ema"``).
     Values are cast to each tensor's dtype and device as they arrive. Non-tensor values are
     left alone; the checkpoint's objects come back in ``LoadResult.objects``.
 
@@ -249,7 +303,7 @@ def load_state_dict(
     >>> reshard.load_state_dict(msd, "ckpt/", mode="rank0", max_memory="2GiB")
     """
     started = time.perf_counter()
-    load = _prepare(state_dict, source, mode, keymap, strict, max_memory, layout)
+    load = _prepare(state_dict, source, mode, keymap, strict, max_memory, layout, config=config, section=section)
     return _result(load, load.execute(progress), started)
 
 
@@ -292,8 +346,10 @@ def load_model(
     *,
     progress: bool = True,
     layout: str | None = None,
+    config: str | os.PathLike | None = None,
+    section: str | int | None = None,
 ) -> LoadResult:
-    """Load ``source`` into a plain, DDP or FSDP2 (``fully_shard``, 1-D or 2-D mesh) ``model``,
+    """Load ``source`` into a plain, DDP or FSDP2 (``fully_shard``; 1-D, HSDP or TP+FSDP mesh) ``model``,
     and into ``optimizer`` when given: AdamW's exp_avg, exp_avg_sq and step resharded with
     their parameter, param-group hyper-parameters (lr, betas...) from the checkpoint. Any
     layout the common tools write is understood (``reshard.conventions``): ours and torch's
@@ -304,7 +360,8 @@ def load_model(
     with a zero-gradient step at lr 0), so a fresh run can resume. Modes: ``rank0`` streams
     from rank 0, which alone reads ``source``; ``parallel`` lets every rank read its own
     boxes from shared storage; ``auto`` picks ``parallel`` when every rank sees the same
-    source. Peak memory per rank is its shard plus about ``max_memory``.
+    source. Peak memory per rank is its shard plus about ``max_memory``. ``keymap``,
+    ``config``, ``section`` and ``layout`` are as in ``load_state_dict``.
 
     >>> model = Transformer(cfg); fully_shard(model, mesh=mesh); opt = AdamW(model.parameters())
     >>> reshard.load_model(model, "ckpt/step-1000", opt)   # saved on 64 GPUs, loaded on 48
@@ -317,7 +374,7 @@ def load_model(
     if osd is not None:
         targets[LIVE_STATE.split(".")[0]] = {"state": osd["state"]}
     order = [[str(f) for f in g.get("params", [])] for g in osd["param_groups"]] if osd else None
-    load = _prepare(targets, source, mode, keymap, strict, max_memory, layout, order)
+    load = _prepare(targets, source, mode, keymap, strict, max_memory, layout, order, config, section)
     groups = _param_groups(load.plan.groups, osd["param_groups"], strict, load.source) if osd else {}
     nbytes = load.execute(progress)
     result = _result(load, nbytes, started)

@@ -151,3 +151,37 @@ def _resume(rank: int, world: int, ref_path: str) -> None:
 
 def test_load_model_resumes_on_three_ranks(reference: dict) -> None:
     run_world(_resume, 3, str(reference["path"]), timeout=300)
+
+
+def test_load_model_picks_one_model_of_a_multi_model_folder(reference: dict, tmp_path: Path) -> None:
+    """Two prepared models: accelerate saves the second as ``pytorch_model_fsdp_1/`` (a DCP of
+    ``{"model": state_dict}``, written here by torch's own ``dcp.save`` with different values) and
+    its optimizer as ``optimizer_1/``. ``section=1`` loads that one; read whole, the folder is
+    refused with the way out."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "two_models"
+    folder.mkdir()
+    for sub in ("pytorch_model_fsdp_0", "optimizer_0", "optimizer_1"):
+        (folder / sub).symlink_to(CKPT / "optimizer_0" if sub == "optimizer_1" else CKPT / sub,
+                                  target_is_directory=True)
+    second = {k: v * 2 + 1 for k, v in reference["model"].items()}
+    dcp.save({"model": second}, checkpoint_id=folder / "pytorch_model_fsdp_1")
+
+    config = transformers.LlamaConfig.from_pretrained(DATA)
+    for section, want in ((1, second), ("pytorch_model_fsdp_0", reference["model"])):
+        model = transformers.LlamaForCausalLM(config)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+        result = reshard.load_model(model, folder, optimizer=opt, section=section, progress=False)
+        assert result.missing == [] and result.unexpected == [], (result.missing, result.unexpected)
+        assert any(f"section={section!r}" in n for n in result.notices), result.notices
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, want[k]), (section, k)
+        exp_avg = {n: opt.state[p]["exp_avg"] for n, p in model.named_parameters()}
+        for fqn, value in exp_avg.items():
+            assert torch.equal(value, reference["optimizer"]["state"][fqn]["exp_avg"]), (section, fqn)
+
+    with pytest.raises(reshard.errors.UsageError, match="names no model"):
+        reshard.load_model(transformers.LlamaForCausalLM(config), folder, section=2, progress=False)
+    with pytest.raises(reshard.errors.UnsupportedFormatError, match=r"section=1"):
+        reshard.load_model(transformers.LlamaForCausalLM(config), folder, progress=False)

@@ -18,6 +18,7 @@ from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, detect_l
 from reshard.errors import UsageError
 from reshard.keymap.maps import load_keymap
 from reshard.keymap.chunks import read_box
+from tests.dist import run_world
 from tests.schema import check
 from tests.test_cli import assert_one_line_error, reshard as cli
 
@@ -149,3 +150,44 @@ def test_load_model_resumes_an_hf_model_with_megatrons_optimizer_state() -> None
     cat = reshard.inspect(ITER)
     assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
     assert opt.param_groups[0]["lr"] == cat.objects["optimizer.param_groups.0.lr"] != 0.5
+
+
+def _megatron_core_only(tmp: Path) -> Path:
+    """The fixture as Megatron-Core alone saves it: ``dist_checkpointing.save`` of a state dict
+    without Megatron-LM's ``args`` (common.pt holds what is not sharded, nothing else)."""
+    copy = tmp / "mcore"
+    shutil.copytree(ITER, copy)
+    common = torch.load(copy / "common.pt", weights_only=False)  # our own fixture: an argparse.Namespace inside
+    del common["args"]
+    torch.save(common, copy / "common.pt")
+    return copy
+
+
+def _resume_mcore_only(rank: int, world: int, folder: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with pytest.raises(UsageError, match="config="):  # no head counts anywhere: the error says how to give them
+        reshard.load_model(LlamaForCausalLM(LlamaConfig.from_json_file(CONFIG)), folder, keymap="megatron-to-hf",
+                           progress=False)
+    model = LlamaForCausalLM(LlamaConfig.from_json_file(CONFIG))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    decay = [p for n, p in model.named_parameters() if not n.endswith("norm.weight")]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    opt = torch.optim.AdamW([{"params": decay}, {"params": no_decay}], lr=0.5)
+    result = reshard.load_model(model, folder, optimizer=opt, keymap="megatron-to-hf", config=CONFIG, progress=False)
+    assert result.missing == [] and result.unexpected == [], (result.missing, result.unexpected)
+    ref = torch.load(ROOT / "reference.pt", weights_only=True)
+    with torch.no_grad():
+        logits = model.eval()(input_ids=ref["tokens"]).logits
+    torch.testing.assert_close(logits, ref["logits"], atol=1e-5, rtol=0)
+    assert all(s["step"].item() == 2.0 for s in opt.state.values())
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+
+
+def test_megatron_core_only_checkpoint_loads_on_three_fsdp_ranks_with_config(tmp_path: Path) -> None:
+    run_world(_resume_mcore_only, 3, str(_megatron_core_only(tmp_path)), timeout=300)
