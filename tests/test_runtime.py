@@ -326,3 +326,37 @@ def test_section_loads_another_section_as_the_model(tmp_path: Path) -> None:
     assert any("section='ema'" in n and "not read" in n for n in result.notices), result.notices
     with pytest.raises(UsageError, match="its sections are ema, model"):
         reshard.load_model(TinyNet(), tmp_path / "ckpt", section="emma", progress=False)
+
+
+class _Container(torch.optim.Optimizer):
+    """torchtitan's OptimizersContainer in miniature: an Optimizer over every parameter whose
+    own ``state`` stays empty, the real optimizers in ``.optimizers``."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+
+
+def test_an_optimizer_container_loads_into_the_optimizer_inside(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.tensor([[1, 4, 9]])).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ckpt")
+
+    live = TinyNet()
+    inner = torch.optim.AdamW(live.parameters(), lr=0.5)
+    result = reshard.load_model(live, tmp_path / "ckpt", optimizer=_Container([inner]), progress=False)
+    assert any("AdamW inside _Container" in n for n in result.notices), result.notices
+    names = dict(live.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(inner.state[names[name]]["exp_avg"], opt.state[p]["exp_avg"]), name
+    assert inner.param_groups[0]["lr"] == 0.1
+    two = _Container([torch.optim.AdamW([live.embed.weight]), torch.optim.AdamW([live.head.weight])])
+    with pytest.raises(UsageError, match="of 2 optimizers"):
+        reshard.load_model(live, tmp_path / "ckpt", optimizer=two, progress=False)

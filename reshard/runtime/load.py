@@ -369,6 +369,7 @@ def load_model(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     started = time.perf_counter()
+    optimizer, unwrapped = _inner_optimizer(optimizer)
     msd, osd, by_torch = _live_state(model, optimizer)
     targets: dict[str, Any] = dict(msd)
     if osd is not None:
@@ -378,6 +379,7 @@ def load_model(
     groups = _param_groups(load.plan.groups, osd["param_groups"], strict, load.source) if osd else {}
     nbytes = load.execute(progress)
     result = _result(load, nbytes, started)
+    result.notices += unwrapped
     if by_torch:
         # The filled tensors are the model's and optimizer's own memory; these calls are what
         # makes that true for wrappers that hand out copies, and what torch expects.
@@ -396,6 +398,21 @@ def load_model(
     result.notices.append("loaded through the model's own state_dict and load_state_dict: torch's get_state_dict "
                           "cannot walk this model's state dict names to its parameters")
     return result
+
+
+def _inner_optimizer(optimizer: torch.optim.Optimizer | None) -> tuple[torch.optim.Optimizer | None, list[str]]:
+    """The optimizer that holds the state. torchtitan's ``OptimizersContainer`` is itself an
+    ``Optimizer`` whose own ``state`` stays empty: its AdamW lives in ``.optimizers``, and
+    state written into the container would be silently ignored by training."""
+    inner = getattr(optimizer, "optimizers", None)
+    if optimizer is None or not isinstance(inner, (list, tuple)) or not inner:
+        return optimizer, []
+    if not all(isinstance(o, torch.optim.Optimizer) for o in inner):
+        return optimizer, []
+    if len(inner) > 1:
+        raise UsageError(f"optimizer is a {type(optimizer).__name__} of {len(inner)} optimizers (one per model part); "
+                         "pass the model part and its own optimizer, one load_model call each")
+    return inner[0], [f"optimizer: the {type(inner[0]).__name__} inside {type(optimizer).__name__} holds the state"]
 
 
 def _live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None, bool]:
