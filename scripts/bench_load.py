@@ -79,12 +79,17 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def build_model(shapes: dict[str, tuple[int, ...]], nproc: int) -> Any:
-    """A module tree with the checkpoint's parameter names, FSDP2-sharded, shards materialized."""
+def build_model(shapes: dict[str, tuple[int, ...]], nproc: int, tp: int = 1) -> Any:
+    """A module tree with the checkpoint's parameter names, FSDP2-sharded, shards materialized.
+    With ``tp`` > 1 the mesh is ``(nproc // tp, tp)`` and every matrix is first split by rows
+    over ``tp`` (column-parallel, as TP does), so FSDP2 over it gives ``_StridedShard``."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    if tp > 1:
+        mesh_2d = init_device_mesh("cpu", (nproc // tp, tp), mesh_dim_names=("dp_shard", "tp"))
     root = torch.nn.Module()
     for fqn, shape in shapes.items():
         *path, leaf = fqn.split(".")
@@ -93,8 +98,16 @@ def build_model(shapes: dict[str, tuple[int, ...]], nproc: int) -> Any:
             if not hasattr(mod, part):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
-        mod.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, device="meta")))
-    mesh = init_device_mesh("cpu", (nproc,), mesh_dim_names=("dp_shard",))
+        value = torch.empty(shape, device="meta")
+        if tp > 1:
+            rows = len(shape) == 2
+            local = torch.empty((-(-shape[0] // tp), *shape[1:]) if rows else shape, device="meta")
+            if rows and mesh_2d["tp"].get_local_rank() == tp - 1:
+                local = torch.empty((shape[0] - (tp - 1) * local.shape[0], *shape[1:]), device="meta")
+            value = DTensor.from_local(local, mesh_2d["tp"], [Shard(0) if rows else Replicate()], shape=shape,
+                                       stride=torch.empty(shape, device="meta").stride(), run_check=False)
+        mod.register_parameter(leaf, torch.nn.Parameter(value))
+    mesh = mesh_2d["dp_shard"] if tp > 1 else init_device_mesh("cpu", (nproc,), mesh_dim_names=("dp_shard",))
     for layer in root.layers.children():
         fully_shard(layer, mesh=mesh)
     fully_shard(root, mesh=mesh)
@@ -138,14 +151,14 @@ def _load_torch(model: Any, opt: Any, full_pt: str) -> dict[str, Any]:
 
 
 def run_row(rank: int, world: int, row: str, src: str, full_pt: str, max_memory: str, shapes: dict,
-            outdir: str) -> None:
+            outdir: str, tp: int = 1) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     record: dict[str, Any] = {"rank": rank}
     if row != BASELINE:
-        model = build_model(shapes, world)
+        model = build_model(shapes, world, tp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         # Optimizer state is created by torch's helper before the clock starts, in every row
         # alike (its zero-gradient step allocates gradients for a moment), so the load's own
@@ -194,7 +207,7 @@ def measure(row: str, args: argparse.Namespace, ckpt: Path, full_pt: Path, shape
     from reshard.runtime.world import run_world
 
     with tempfile.TemporaryDirectory(prefix="bench-load-") as out:
-        run_world(run_row, args.nproc, row, str(ckpt), str(full_pt), args.max_memory, shapes, out,
+        run_world(run_row, args.nproc, row, str(ckpt), str(full_pt), args.max_memory, shapes, out, args.tp,
                   timeout=args.timeout)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.nproc)]
 
@@ -255,12 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mb", type=float, default=1536.0, help="checkpoint size in MiB (default 1536)")
     ap.add_argument("--ckpt", type=Path, default=None, help="checkpoint dir (default .bench/ckpt_<size>, made if missing)")
     ap.add_argument("--nproc", type=int, default=3, help="ranks that load (default 3; the checkpoint was saved by 4)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel degree: load into a (nproc/tp, tp) TP+FSDP2 mesh, matrices row-split (default 1)")
     ap.add_argument("--max-memory", default="256MiB", help="reshard's max_memory (default 256MiB)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated rows (default: {','.join(ROWS)})")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per row (default 1800)")
     ap.add_argument("--json", type=Path, default=None, help="also write the per-rank results here")
     args = ap.parse_args(argv)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    if args.tp < 1 or args.nproc % args.tp:
+        ap.error(f"--tp {args.tp} must divide --nproc {args.nproc}")
     if unknown := [r for r in rows if r not in ROWS]:
         ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     ckpt = ensure_checkpoint(args.ckpt or default_ckpt_path(args.size_mb), args.size_mb)
@@ -272,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {row} on {args.nproc} ranks ...", file=sys.stderr, flush=True)
         results[row] = measure(row, args, ckpt, full_pt, shapes)
     print(f"\nload {ckpt} ({ckpt_bytes / MIB:.0f} MiB) into FSDP2 + AdamW on {args.nproc} gloo ranks | "
-          f"--max-memory {args.max_memory} | peak = VmHWM per rank\n")
+          f"--max-memory {args.max_memory} | peak = VmHWM per rank"
+          + (f" | mesh dp x tp = {args.nproc // args.tp} x {args.tp} (TP+FSDP2, _StridedShard)" if args.tp > 1 else "")
+          + "\n")
     lines = report(results, args, ckpt_bytes)
     print("\n".join(lines))
     if args.json:
