@@ -190,19 +190,20 @@ def _save_rank(rank: int, world: int, store: str, out: str, spec: list[SavedTens
         dist.destroy_process_group()
 
 
-def save_world(out: Path, spec: list[SavedTensor], objects: dict, seed: int, timeout: float) -> None:
-    """Save ``spec`` (plus ``objects``) to the DCP folder ``out`` from a WORLD_SIZE-rank gloo
+def save_world(out: Path, spec: list[SavedTensor], objects: dict, seed: int, timeout: float,
+               world: int = WORLD_SIZE) -> None:
+    """Save ``spec`` (plus ``objects``) to the DCP folder ``out`` from a ``world``-rank gloo
     world, every tensor ``Shard(0)``: each rank generates and holds only its own pieces."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="reshard-bench-world-") as tmp:
-        args = (WORLD_SIZE, os.path.join(tmp, "store"), str(out), spec, objects, seed, tmp)
-        ctx = mp.start_processes(_rank_main, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
+        args = (world, os.path.join(tmp, "store"), str(out), spec, objects, seed, tmp)
+        ctx = mp.start_processes(_rank_main, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
             while not ctx.join(timeout=5.0):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {WORLD_SIZE}-rank save did not finish in {timeout:.0f}s")
+                    raise TimeoutError(f"the {world}-rank save did not finish in {timeout:.0f}s")
         except mp.ProcessRaisedException as e:
             detail = "\n".join(p.read_text() for p in sorted(Path(tmp).glob("rank*.err"))) or str(e)
             raise RuntimeError(f"a rank failed while saving the benchmark checkpoint:\n{detail}") from None
