@@ -23,7 +23,7 @@ import errno
 import math
 import os
 import threading
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,6 +263,7 @@ def _contiguous(t: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
 
 
 _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs are cut from
+_JOBS_IN_FLIGHT = 4  # per worker: enough queued that no worker waits for the next job
 
 
 class Engine:
@@ -468,10 +469,16 @@ class Engine:
                 hashed.update({f.relpath: hashing.submit(file_digest, root / f.relpath)
                                for f in plan.files if not left[f.relpath]})
             with ThreadPoolExecutor(workers) as pool:
-                futures = [pool.submit(fill, job) for job in self._jobs(work, plan)]
+                # A bounded window of jobs in flight: a future per piece up front costs about
+                # 2 KiB each, gigabytes for a checkpoint of 100k tensors on many ranks.
+                pending: deque[Future] = deque()
                 try:
-                    for fut in futures:
-                        fut.result()
+                    for job in self._jobs(work, plan):
+                        if len(pending) >= _JOBS_IN_FLIGHT * workers:
+                            pending.popleft().result()
+                        pending.append(pool.submit(fill, job))
+                    while pending:
+                        pending.popleft().result()
                 except OSError as e:
                     self._stop.set()
                     pool.shutdown(cancel_futures=True)

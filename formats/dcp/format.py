@@ -16,7 +16,7 @@ read our output; ``.metadata`` is written last, which is what makes a DCP folder
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +190,22 @@ class DCPFormat:
         return DCPWriter()
 
 
+class _Computed(Mapping):
+    """A read-only mapping over ``keys`` whose values ``value(key)`` makes on each access."""
+
+    def __init__(self, keys: list[str], value: Callable[[str], Any]) -> None:
+        self._keys, self._value = keys, value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._value(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 class DCPWriter:
     """One ``__{rank}_0.distcp`` per target rank holding the boxes the target assigns to that
     rank; objects in rank 0's file."""
@@ -234,16 +250,20 @@ class DCPWriter:
         return [*segments[:at], piece, *segments[at + 1:]]
 
     def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
-        tensors = {}
-        for t in target.tensors.values():
-            chunks = tuple(ChunkRecord(b.offsets, b.sizes, *self._records[(t.name, b.offsets)]) for b in t.boxes)
-            tensors[t.name] = TensorRecord(t.dtype, t.shape, chunks)
+        def tensor_record(name: str) -> TensorRecord:
+            t = target.tensors[name]
+            chunks = tuple(ChunkRecord(b.offsets, b.sizes, *self._records[(name, b.offsets)]) for b in t.boxes)
+            return TensorRecord(t.dtype, t.shape, chunks)
+
         objects = {name: self._records[(name, ())] for name in target.objects}
         # Paths as torch's dcp.save spells them (dict keys as strings), so torch's readers
         # rebuild what they would from their own save; the int keys and tuples it cannot
         # express ride beside them, for reshard's reader.
         containers = dict(target.attrs.get(CONTAINERS_ATTR) or {})
-        planner_data = {name: dcp_path(target.nested_path(name), containers) for name in (*tensors, *objects)}
+        names = [*target.tensors, *objects]
+        # Records made as the pickle is written, not all held at once (100k tensors on many ranks).
+        tensors = _Computed(list(target.tensors), tensor_record)
+        planner_data = _Computed(names, lambda name: dcp_path(target.nested_path(name), containers))
         (staging / ".metadata").write_bytes(metadata_bytes(tensors, objects, planner_data, containers))
 
     def notices(self, target: Target) -> list[str]:
