@@ -8,8 +8,8 @@ the engine only executes it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from reshard.errors import UsageError
 from reshard.formats.pieces import FileLayout, Piece
 from reshard.structure import CONTAINERS_ATTR
 
-__all__ = ["Plan", "Source", "Casting", "full_target", "make_plan", "model_section", "select", "sources_for"]
+__all__ = ["Plan", "PieceSources", "Source", "Casting", "full_target", "make_plan", "model_section", "select", "sources_for"]
 
 
 @dataclass(frozen=True)
@@ -33,10 +33,37 @@ class Source:
     box: Box
 
 
+class PieceSources(Mapping[Piece, list[Source]]):
+    """Each piece of a plan and the stored chunk parts it is made of, worked out when asked:
+    held as lists for every piece of a checkpoint of 100k tensors on many ranks, they were
+    hundreds of MiB. ``make_plan`` has checked every piece before this exists."""
+
+    def __init__(self, tensors: Mapping[str, TensorEntry], pieces: Iterable[Piece]) -> None:
+        self._tensors = tensors
+        self._pieces = dict.fromkeys(pieces)
+
+    def __getitem__(self, piece: Piece) -> list[Source]:
+        if piece not in self._pieces:
+            raise KeyError(piece)
+        return sources_for(self._tensors[piece.name], piece.box)
+
+    def __iter__(self) -> Iterator[Piece]:
+        return iter(self._pieces)
+
+    def __len__(self) -> int:
+        return len(self._pieces)
+
+    def __contains__(self, piece: object) -> bool:
+        return piece in self._pieces
+
+    def subset(self, pieces: Iterable[Piece]) -> PieceSources:
+        return PieceSources(self._tensors, (p for p in pieces if p in self._pieces))
+
+
 @dataclass
 class Plan:
     files: list[FileLayout]
-    sources: dict[Piece, list[Source]] = field(default_factory=dict)
+    sources: PieceSources
 
     @property
     def total_bytes(self) -> int:
@@ -45,8 +72,7 @@ class Plan:
     def subset(self, indices: list[int]) -> Plan:
         """The plan for some of the files only (one rank's share under torchrun)."""
         files = [self.files[i] for i in indices]
-        wanted = {seg for f in files for seg in f.segments if isinstance(seg, Piece)}
-        return Plan(files, {p: s for p, s in self.sources.items() if p in wanted})
+        return Plan(files, self.sources.subset(seg for f in files for seg in f.segments if isinstance(seg, Piece)))
 
     def pieces(self) -> Iterable[tuple[FileLayout, int, Piece]]:
         """(file, byte offset in file, piece) for every piece, in file order."""
@@ -176,14 +202,11 @@ def sources_for(entry: TensorEntry, box: Box) -> list[Source]:
 
 
 def make_plan(catalog: Catalog, files: list[FileLayout]) -> Plan:
-    plan = Plan(files)
-    for f in files:
-        for seg in f.segments:
-            if not isinstance(seg, Piece):
-                continue
-            sources = sources_for(catalog.tensors[seg.name], seg.box)
-            covered = sum(s.box.numel for s in sources)
-            if covered != seg.box.numel:
-                raise UsageError(f"{catalog.path}: {seg.name!r} box {seg.box} is only {covered}/{seg.box.numel} covered by stored chunks")
-            plan.sources[seg] = sources
-    return plan
+    """The plan for the writer's ``files``, every piece checked to be covered by stored chunks
+    before anything is written."""
+    pieces = [seg for f in files for seg in f.segments if isinstance(seg, Piece)]
+    for seg in pieces:
+        covered = sum(s.box.numel for s in sources_for(catalog.tensors[seg.name], seg.box))
+        if covered != seg.box.numel:
+            raise UsageError(f"{catalog.path}: {seg.name!r} box {seg.box} is only {covered}/{seg.box.numel} covered by stored chunks")
+    return Plan(files, PieceSources(catalog.tensors, pieces))
