@@ -132,9 +132,14 @@ def _per_rank_part(part: str) -> bool:
     return _PER_RANK_PART.match(part) is not None  # parts repeat (layers, 0, experts...): cached
 
 
+@functools.lru_cache(maxsize=1 << 18)
+def _has_per_rank_part(name: str) -> bool:
+    return any(_per_rank_part(p) for p in name.split("."))  # asked once per convention: cached
+
+
 def is_per_rank(name: str, globs: tuple[str, ...] = ()) -> bool:
     """Whether ``name`` holds one rank's private state (by a convention's globs or its parts)."""
-    return any(fnmatch.fnmatchcase(name, g) for g in globs) or any(_per_rank_part(p) for p in name.split("."))
+    return any(fnmatch.fnmatchcase(name, g) for g in globs) or _has_per_rank_part(name)
 
 
 class Layout:
