@@ -30,7 +30,8 @@ class MLP(torch.nn.Module):
 
 
 def _model(shape: tuple[int, ...], seed: int) -> MLP:
-    """``(dp,)``: FSDP2 alone; ``(dp, tp)``: TP inside FSDP2, as torchtitan's ``parallelize`` does."""
+    """``(dp,)``: FSDP2 alone; ``(dp, tp)``: TP inside FSDP2, as torchtitan's ``parallelize`` does;
+    ``(replicate, shard, tp)``: HSDP over TP."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -39,6 +40,11 @@ def _model(shape: tuple[int, ...], seed: int) -> MLP:
     model = MLP()
     if len(shape) == 1:
         fully_shard(model, mesh=init_device_mesh("cpu", shape))
+        return model
+    if len(shape) == 3:  # HSDP x TP: replicas of an FSDP group, each over a TP group
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["replicate", "shard"])
         return model
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
@@ -109,6 +115,7 @@ def _four_ranks(rank: int, world: int, tmp: str) -> None:
         _check_load((2, 2), tmp_path / "tp_fsdp", want_2d, mode)  # 2x2 -> 2x2
         _check_load((2, 2), tmp_path / "fsdp", want_1d, mode)  # 1-D FSDP -> 2x2 TP+FSDP
         _check_split_rows(tmp_path / "tp_fsdp", want_2d["model.up.weight"], mode)
+        _check_load((2, 1, 2), tmp_path / "tp_fsdp", want_2d, mode)  # 2x2 -> HSDP x TP (3-D mesh)
 
 
 def _check_split_rows(source: Path, full: torch.Tensor, mode: str) -> None:
