@@ -32,11 +32,11 @@ _BYTES_CODECS = ("zstd", "gzip", "blosc", "crc32c")
 
 
 def _import_numcodecs() -> Any:
-    """numcodecs (installed with zarr-python) holds the codecs; raw chunks never need it."""
+    """numcodecs (a dependency; zarr-python's codec library) holds the codecs; raw chunks never need it."""
     try:
         import numcodecs
     except ImportError:
-        raise UsageError("compressed zarr chunks need numcodecs (installed with zarr): pip install numcodecs") from None
+        raise UsageError("compressed zarr chunks need numcodecs: pip install numcodecs") from None
     return numcodecs
 
 
