@@ -21,7 +21,7 @@ import typer
 from typer.core import TyperCommand
 
 from reshard.conventions import CONVENTIONS  # plain data: no torch import
-from reshard.errors import ReshardError, UsageError
+from reshard.errors import ReshardError, UsageError, speaking_cli
 
 SCHEMA_VERSION = 1
 _MIN_MEMORY = 1 << 20
@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _debug["on"] = os.environ.get("RESHARD_DEBUG") == "1"  # per call: main() may run many times in one process
     try:
-        rv = app(args=argv, standalone_mode=False, prog_name="reshard")
+        with speaking_cli():
+            rv = app(args=argv, standalone_mode=False, prog_name="reshard")
         if rv == 130:  # typer turns Ctrl-C into exit code 130 before we can see it
             _say("reshard: interrupted; no output was left behind")
         return rv if isinstance(rv, int) else 0

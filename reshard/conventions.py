@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from reshard.errors import UsageError
+from reshard.errors import UsageError, option
 
 if TYPE_CHECKING:
     from reshard.catalog import Catalog, NestedPath
@@ -400,7 +400,7 @@ def layout_notices(layout: Layout) -> list[str]:
     elif layout.reason in (_GIVEN, _RECORDED):
         out = [f"layout {layout.name} ({layout.reason})"]
     else:
-        out = [f"layout {layout.name} ({layout.reason}); --layout NAME overrides it"]
+        out = [f"layout {layout.name} ({layout.reason}); {option('--layout NAME', 'layout=NAME')} overrides it"]
     if layout.unexplained:
         out.append(f"{_names_brief(layout.unexplained)} not model or optimizer state under layout {layout.name}: "
                    "kept as saved (not resharded, not cast)")

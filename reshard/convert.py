@@ -15,7 +15,7 @@ from reshard.catalog import Catalog, Target, pick_objects
 from reshard.conventions import detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
-from reshard.errors import SourceChangedError, UsageError
+from reshard.errors import SourceChangedError, UsageError, option
 from reshard.formats.base import Writer
 from reshard.formats.pieces import FileLayout
 from reshard.formats.registry import format_for_destination, get_format
@@ -245,7 +245,8 @@ def check_output_options(dst: Path, to: str, *, sharded: bool, compress: bool, m
         raise UsageError(f"{dst}: a sharded safetensors output is a folder (shards + index); give DST without "
                          f".safetensors, e.g. {dst.with_suffix('')}")
     if keep_per_rank and mesh is None:
-        raise UsageError("--keep-per-rank applies with --to-mesh (per-rank state is kept as is otherwise)")
+        raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'mesh=')} "
+                         "(per-rank state is kept as is otherwise)")
 
 
 def excluded(catalog: Catalog, globs: str | list[str] | None) -> Catalog:

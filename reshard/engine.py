@@ -32,7 +32,7 @@ import torch
 
 from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.catalog import ChunkData
-from reshard.errors import CorruptCheckpointError, UsageError
+from reshard.errors import CorruptCheckpointError, UsageError, option
 from reshard.formats.pieces import FileLayout, Piece
 from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
@@ -290,7 +290,8 @@ class Engine:
         need = (_DECODE_COPIES + 1) * whole
         if need > self.max_memory:
             raise UsageError(f"the source has compressed chunks of {format_size(whole)}, each decoded whole; that needs "
-                             f"--max-memory {-(-need // (1 << 20))}MiB or more (it is {format_size(self.max_memory)})")
+                             f"{option('--max-memory ', 'max_memory=')}{-(-need // (1 << 20))}MiB or more "
+                             f"(it is {format_size(self.max_memory)})")
         workers = max(1, min(self.workers, self.max_memory // need))
         return workers, self.max_memory - workers * _DECODE_COPIES * whole
 

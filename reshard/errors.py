@@ -6,7 +6,13 @@ Each error mixes in the builtin it refines where one fits, so library users can 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 __all__ = [
+    "option",
+    "speaking_cli",
     "ReshardError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
@@ -48,3 +54,22 @@ class OutputExistsError(ReshardError, FileExistsError):
 
 class SourceChangedError(ReshardError, RuntimeError):
     """A source file changed size or mtime while we were reading it."""
+
+
+_CLI = contextvars.ContextVar("reshard_speaks_cli", default=False)
+
+
+def option(cli: str, api: str) -> str:
+    """An option as the user wrote it: ``--overwrite`` from the command line,
+    ``overwrite=True`` from Python, so an error's advice can be followed as it reads."""
+    return cli if _CLI.get() else api
+
+
+@contextlib.contextmanager
+def speaking_cli() -> Iterator[None]:
+    """Errors and notices raised inside name options the CLI's way (``reshard.cli.main``)."""
+    token = _CLI.set(True)
+    try:
+        yield
+    finally:
+        _CLI.reset(token)

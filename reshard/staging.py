@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from types import TracebackType
 
-from reshard.errors import OutputExistsError, ReshardError, UsageError
+from reshard.errors import OutputExistsError, ReshardError, UsageError, option
 from reshard.manifest import FileDigest, write_manifest
 
 __all__ = ["StagedOutput"]
@@ -83,7 +83,7 @@ class StagedOutput:
         if not parent.is_dir():
             raise UsageError(f"{self.dst}: parent folder {parent} does not exist")
         if (self.dst.exists() or self.dst.is_symlink()) and not self.overwrite:
-            raise OutputExistsError(f"{self.dst} already exists; pass --overwrite to replace it")
+            raise OutputExistsError(f"{self.dst} already exists; pass {option('--overwrite', 'overwrite=True')} to replace it")
         try:
             self._take_lock()
         except ReshardError:
@@ -95,7 +95,7 @@ class StagedOutput:
             # Again under the lock: another conversion may have committed since the check above.
             if (self.dst.exists() or self.dst.is_symlink()) and not self.overwrite:
                 raise OutputExistsError(f"{self.dst} already exists (another conversion just wrote it); "
-                                        "pass --overwrite to replace it")
+                                        f"pass {option('--overwrite', 'overwrite=True')} to replace it")
             if self.is_dir:
                 self.staging.mkdir()
         except BaseException:
@@ -164,7 +164,7 @@ class StagedOutput:
             _fsync_dir(self.staging)
         exists = self.dst.exists() or self.dst.is_symlink()
         if exists and not self.overwrite:
-            raise OutputExistsError(f"{self.dst} appeared while converting; pass --overwrite to replace it")
+            raise OutputExistsError(f"{self.dst} appeared while converting; pass {option('--overwrite', 'overwrite=True')} to replace it")
         if exists and not self.is_dir and not self.dst.is_dir():
             os.replace(self.staging, self.dst)  # one atomic step for a file over a file
         elif exists:

@@ -154,3 +154,19 @@ def test_surprising_outputs_and_options_are_one_line_errors(fsdp2_dcp, tmp_path:
             for a in args]
     assert_one_line_error(run_cli("convert", fsdp2_dcp[0], *args, "--quiet"), message)
     assert [p for p in tmp_path.iterdir()] == []
+
+
+def test_errors_name_options_the_way_the_caller_gives_them(fsdp2_dcp, tmp_path: Path) -> None:
+    """From Python the advice is ``overwrite=True``, from the shell ``--overwrite``."""
+    from reshard.errors import OutputExistsError
+    from tests.test_cli import assert_one_line_error, reshard as run_cli
+
+    out = tmp_path / "out.pt"
+    reshard.convert(fsdp2_dcp[0], out, quiet=True)
+    with pytest.raises(OutputExistsError, match=r"pass overwrite=True to replace it"):
+        reshard.convert(fsdp2_dcp[0], out, quiet=True)
+    with pytest.raises(UsageError, match=r"keep_per_rank=True applies with mesh="):
+        reshard.convert(fsdp2_dcp[0], tmp_path / "x.pt", keep_per_rank=True, quiet=True)
+    proc = run_cli("convert", fsdp2_dcp[0], out, "--quiet")
+    assert_one_line_error(proc, "pass --overwrite to replace it")
+    assert "overwrite=True" not in proc.stderr

@@ -53,7 +53,7 @@ def test_a_file_url_is_its_local_path_in_every_respect(ckpt: Path) -> None:
         assert _outcome(ckpt, **options) == _outcome(url, **options), options
     assert _files(ckpt.parent) == ["ckpt.pt"]  # dry runs wrote nothing
     local = reshard.convert(ckpt, mesh="2", quiet=True)
-    with pytest.raises(ReshardError, match="--overwrite"):  # the same output, the same refusal
+    with pytest.raises(ReshardError, match="overwrite=True"):  # the same output, the same refusal
         reshard.convert(url, mesh="2", quiet=True)
     again = reshard.convert(url, mesh="2", quiet=True, overwrite=True, fsync=True)
     assert again.dst == local.dst and (Path(again.dst) / ".reshard-manifest.json").is_file()

@@ -105,7 +105,7 @@ def test_per_rank_state_dropped_with_a_notice_unless_the_rank_count_is_unchanged
     moved = mesh_target(_catalog(3), parse_mesh("4"), plan)
     assert set(moved.tensors) == {"model.w"} and set(moved.objects) == {"train.step", "scheduler.last_epoch"}
     (notice,) = moved.notices
-    for name in ("rng.rank3.state", "dataloader.position", "rng_states.rank_1", "--keep-per-rank"):
+    for name in ("rng.rank3.state", "dataloader.position", "rng_states.rank_1", "keep_per_rank=True"):
         assert name in notice
     kept = mesh_target(_catalog(3), parse_mesh("4"), plan, keep_per_rank=True)
     assert "rng_states.rank_1" in kept.objects and "kept per-rank state" in kept.notices[0]

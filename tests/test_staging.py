@@ -29,7 +29,7 @@ def test_commit_is_atomic_and_failure_leaves_nothing(tmp_path: Path) -> None:
 def test_existing_output_needs_overwrite(tmp_path: Path) -> None:
     dst = tmp_path / "x.pt"
     dst.write_text("old")
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
         with StagedOutput(dst, is_dir=False):
             pass
     with StagedOutput(dst, is_dir=False, overwrite=True) as out:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from reshard.catalog import Target
-from reshard.errors import OutputExistsError
+from reshard.errors import OutputExistsError, option
 from reshard.formats.pieces import FileLayout, Piece
 from reshard.formats.zarr.format import ZarrWriter, write_metadata
 from reshard.formats.zarr.chunks import compress as zstd
@@ -72,7 +72,7 @@ def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, *, max_me
     if store.size(ZARR_JSON) is not None or store.listing(""):
         if not overwrite:
             what = "a zarr store" if store.size(ZARR_JSON) is not None else "data (an unfinished write?)"
-            raise OutputExistsError(f"{url} already holds {what}; pass --overwrite to replace it")
+            raise OutputExistsError(f"{url} already holds {what}; pass {option('--overwrite', 'overwrite=True')} to replace it")
         store.remove()
     arrays = writer.arrays(target)
     by_key = {f.relpath: f for f in plan.files}

@@ -13,6 +13,7 @@ import torch
 
 from reshard.catalog import Catalog, Target, TargetTensor, pick_objects
 from reshard.conventions import PER_RANK, Layout, detect_layout, is_per_rank
+from reshard.errors import option
 from reshard.mesh.layout import MeshSpec, format_placement, mesh_shards
 from reshard.mesh.placements import PlacementPlan, assign_placements
 from reshard.plan import Casting, select
@@ -51,11 +52,12 @@ def mesh_target(
     if private and source_ranks != mesh.world_size:
         was = f"{source_ranks} ranks" if source_ranks else "an unknown rank count"
         if keep_per_rank:
-            notices.append(f"kept per-rank state as it was saved on {was} (--keep-per-rank): {', '.join(private)}")
+            notices.append(f"kept per-rank state as it was saved on {was} ({option('--keep-per-rank', 'keep_per_rank=True')}): "
+                           f"{', '.join(private)}")
         else:
             notices.append(
                 f"dropped per-rank state saved on {was}, meaningless on {mesh.world_size} ranks "
-                f"(rerun with --keep-per-rank to carry it as is): {', '.join(private)}"
+                f"(rerun with {option('--keep-per-rank', 'keep_per_rank=True')} to carry it as is): {', '.join(private)}"
             )
             names = [n for n in names if n not in private]
             objects = [n for n in objects if n not in private]

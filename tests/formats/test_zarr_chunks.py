@@ -133,7 +133,7 @@ def test_compressed_chunks_fit_the_memory_budget(tmp_path: Path) -> None:
     big = zarr.open_group(tmp_path / "big.zarr", mode="w").create_array("w", shape=(600, 1000), chunks=(600, 1000),
                                                                         dtype="float32")
     big[...] = w.numpy()  # one 2.4 MB chunk, zstd
-    with pytest.raises(reshard.ReshardError, match=r"decoded whole; that needs --max-memory 10MiB"):
+    with pytest.raises(reshard.ReshardError, match=r"decoded whole; that needs max_memory=10MiB"):
         reshard.convert(tmp_path / "big.zarr", tmp_path / "out.pt", max_memory="5MiB", quiet=True)
     reshard.convert(tmp_path / "big.zarr", tmp_path / "out.pt", max_memory="10MiB", quiet=True)
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], w)

@@ -46,7 +46,7 @@ def test_memory_url_write_then_read(src, tmp_path: Path) -> None:
         assert loaded["step"] == 3
         for name, t in tensors.items():
             assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
         reshard.convert(path, url, quiet=True)
     with pytest.raises(UsageError, match="zarr store"):
         reshard.convert(path, "memory://reshard-test/b", to="dcp", quiet=True)
