@@ -96,11 +96,6 @@ def select(catalog: Catalog, only: str | None, layout: Layout | None = None) -> 
     return tensors, objects
 
 
-def cast_dtype(dtype: torch.dtype, to: torch.dtype | None) -> torch.dtype:
-    """``--dtype`` casts floating-point tensors only: integer and bool state keeps its type."""
-    return to if to is not None and dtype.is_floating_point else dtype
-
-
 class Casting:
     """``--dtype`` for one catalog: parameters and their floating optimizer moments are cast;
     optimizer ``step``, other scalar state, integer tensors and non-model state are not."""
