@@ -145,3 +145,9 @@ def test_allow_class_reads_a_trusted_class_as_data(tmp_path: Path) -> None:
         for name in present:
             del sys.modules[name]
     assert type(out["args"]) is module.Config and out["args"].lr == 3e-4 and torch.equal(out["model"]["w"], torch.arange(4.0))
+
+
+def test_a_mistyped_command_is_named_and_help_points_at_the_commands() -> None:
+    proc = reshard("conver", "ckpt/")
+    assert_one_line_error(proc, "Did you mean 'convert'?", "(see `reshard --help`)")
+    assert "reshard conver --help" not in proc.stderr
