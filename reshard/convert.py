@@ -24,7 +24,7 @@ from reshard.mesh.target import mesh_target
 from reshard.parallel import Workers, join_workers, split_files
 from reshard.mesh.placements import load_placement_plan
 from reshard.plan import Plan, full_target, make_plan, model_section
-from reshard.sizes import parse_size
+from reshard.sizes import format_size, parse_size, preview
 from reshard.sources import local_path, resolve_source
 from reshard.staging import StagedOutput
 
@@ -55,6 +55,12 @@ class ConvertResult:
     dry_run: bool = False
     files: list[tuple[str, int]] = field(default_factory=list)
     ranks: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        """One screen, whatever the checkpoint's size: counts and the first few files and notices."""
+        return (f"ConvertResult({str(self.src)!r} -> {str(self.dst)!r}, format={self.format!r}, {self.tensors} tensors, "
+                f"{format_size(self.bytes)} in {self.seconds:.2f}s{', dry run' if self.dry_run else ''}, "
+                f"files={preview([p for p, _ in self.files])}, notices={preview(self.notices, 2)})")
 
     def to_json(self) -> dict[str, Any]:
         return {"src": str(self.src), "dst": str(self.dst), "format": self.format, "tensors": self.tensors,

@@ -34,3 +34,9 @@ def format_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def preview(items: list[str], shown: int = 3) -> str:
+    """The first few of ``items`` and how many more, for reprs that fit one screen."""
+    more = f", +{len(items) - shown} more" if len(items) > shown else ""
+    return "[" + ", ".join(repr(i if len(i) <= 80 else i[:77] + "...") for i in items[:shown]) + more + "]"

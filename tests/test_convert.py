@@ -170,3 +170,14 @@ def test_errors_name_options_the_way_the_caller_gives_them(fsdp2_dcp, tmp_path: 
     proc = run_cli("convert", fsdp2_dcp[0], out, "--quiet")
     assert_one_line_error(proc, "pass --overwrite to replace it")
     assert "overwrite=True" not in proc.stderr
+
+
+def test_results_print_on_one_screen(fsdp2_dcp, tmp_path: Path) -> None:
+    from reshard.example import TinyNet
+
+    result = reshard.convert(fsdp2_dcp[0], tmp_path / "out", mesh="3", quiet=True)
+    text = repr(result)
+    assert len(text) < 600 and f"{result.tensors} tensors" in text and "__0_0.distcp" in text, text
+    loaded = reshard.load_model(TinyNet(), tmp_path / "out", progress=False)
+    text = repr(loaded)
+    assert len(text) < 600 and f"{len(loaded.loaded)} loaded" in text and "missing=[]" in text, text

@@ -39,7 +39,7 @@ from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, m
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
 from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
 from reshard.progress import Progress
-from reshard.sizes import parse_size
+from reshard.sizes import format_size, parse_size, preview
 
 __all__ = ["load_model", "load_state_dict", "LoadResult", "StateDictMismatchError", "MODES"]
 
@@ -60,6 +60,13 @@ class LoadResult:
     bytes: int = 0  # bytes this rank read (parallel) or received; rank 0 in rank0 mode: read
     seconds: float = 0.0
     notices: list[str] = field(default_factory=list)  # the layout used and why, how optimizer state was matched
+
+    def __repr__(self) -> str:
+        """One screen, whatever the model's size: counts and the first few names."""
+        return (f"LoadResult({str(self.source)!r}, mode={self.mode!r}, {len(self.loaded)} loaded, "
+                f"missing={preview(self.missing)}, unexpected={preview(self.unexpected)}, "
+                f"{len(self.objects)} objects, {format_size(self.bytes)} in {self.seconds:.2f}s, "
+                f"notices={preview(self.notices, 2)})")
 
 
 # ------------------------------------------------------------------------------ one world
