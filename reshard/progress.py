@@ -59,12 +59,14 @@ class Progress:
         if not self.enabled or n <= 0:
             return
         with self._lock:
-            self.done += n
             now = time.monotonic()
+            if not self.done:  # the rate counts from the first byte, not from planning
+                self._start = now
+            self.done += n
             if self._bar is not None:
                 self._bar.postfix = self._status(now)
                 self._bar.update(n)
-            elif now - self._last >= self.interval:
+            elif now - self._last >= self.interval and now > self._start:  # a rate to report
                 self._last = now
                 pct = 100.0 * self.done / self.total
                 print(f"reshard: {self.desc}: {pct:.0f}% ({self._status(now)})", file=self.stream, flush=True)
