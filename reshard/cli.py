@@ -194,14 +194,16 @@ def convert(
     from reshard.sizes import format_size
 
     import reshard
+    from reshard.parallel import torchrun_group
 
-    result = reshard.convert(
-        src, dst, to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only,
-        max_memory=max_memory, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet or as_json, fsync=fsync,
-        keep_per_rank=keep_per_rank, keymap=keymap, compress=compress, exclude=exclude, layout=layout,
-        config=config, hf_assets=hf_assets, weights_only=weights_only, dry_run=dry_run,
-    )
-    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 reports
+    with torchrun_group() as rank:  # under torchrun the ranks split the work; rank 0 reports
+        result = reshard.convert(
+            src, dst, to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only,
+            max_memory=max_memory, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet or as_json,
+            fsync=fsync, keep_per_rank=keep_per_rank, keymap=keymap, compress=compress, exclude=exclude,
+            layout=layout, config=config, hf_assets=hf_assets, weights_only=weights_only, dry_run=dry_run,
+        )
+    if rank != 0:
         return
     if as_json:
         _emit_json("convert", result.to_json())

@@ -21,7 +21,7 @@ from reshard.formats.pieces import FileLayout
 from reshard.formats.registry import format_for_destination, get_format
 from reshard.mesh.layout import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
-from reshard.parallel import Workers, join_workers, split_files
+from reshard.parallel import Workers, current_workers, split_files
 from reshard.mesh.placements import load_placement_plan
 from reshard.plan import Plan, full_target, make_plan, model_section
 from reshard.sizes import format_size, parse_size, preview
@@ -211,14 +211,9 @@ def convert(
 
         write_url(remote_dst, plan, target, writer, max_memory=budget, overwrite=overwrite, workers=workers)
         return result(time.perf_counter() - start)
-    group = join_workers()
-    try:
-        stats = write_output(plan, writer, target, files, dst_path, before, group,
-                             sources=(source.path,) if source.path is not None else (), label=source.label,
-                             budget=budget, workers=workers, progress=not quiet, overwrite=overwrite, fsync=fsync)
-    finally:
-        if group is not None:
-            group.close()
+    stats = write_output(plan, writer, target, files, dst_path, before, current_workers(),
+                         sources=(source.path,) if source.path is not None else (), label=source.label,
+                         budget=budget, workers=workers, progress=not quiet, overwrite=overwrite, fsync=fsync)
     return result(time.perf_counter() - start, stats.kernel_bytes)
 
 

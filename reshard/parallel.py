@@ -5,19 +5,24 @@ source metadata and computes the same plan; each rank then writes its share of t
 files into one staging folder on the shared filesystem, and rank 0 writes what comes last
 (DCP ``.metadata``) and renames the output into place after a barrier. Failures anywhere are
 shared, so no rank waits forever and no partial output is committed.
+
+The command line starts the job's process group (``torchrun_group``); a library call uses the
+group its caller made (``current_workers``) and never starts one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, UsageError
 from reshard.formats.pieces import FileLayout
 
-__all__ = ["Workers", "join_workers", "split_files"]
+__all__ = ["Workers", "current_workers", "torchrun_group", "split_files"]
 
 
 class RankFailedError(ReshardError):
@@ -28,7 +33,6 @@ class RankFailedError(ReshardError):
 class Workers:
     rank: int
     world_size: int
-    owns_group: bool  # we started the process group, so we end it
 
     def share(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -60,23 +64,41 @@ class Workers:
             rank, message = failed[0]
             raise RankFailedError(f"rank {rank} failed: {message}")
 
-    def close(self) -> None:
-        if self.owns_group:
-            import torch.distributed as dist
 
-            dist.destroy_process_group()
+def _torchrun_env() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
 
 
-def join_workers(timeout_s: float = 1800.0) -> Workers | None:
-    """The torchrun job this process is part of, or None when it runs alone."""
+def current_workers() -> Workers | None:
+    """The process group this process already belongs to, or None when it runs alone. A
+    library call never starts one: under torchrun without a group every rank would write the
+    same output, so that is refused, saying what to do."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return Workers(dist.get_rank(), dist.get_world_size(), owns_group=False) if dist.get_world_size() > 1 else None
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
-        return None
+        return Workers(dist.get_rank(), dist.get_world_size()) if dist.get_world_size() > 1 else None
+    if _torchrun_env():
+        raise UsageError(
+            f"this process is one of {os.environ['WORLD_SIZE']} torchrun workers and no process group is initialized: "
+            "call torch.distributed.init_process_group() first (the ranks then split the conversion), or run it in "
+            "one process")
+    return None
+
+
+@contextlib.contextmanager
+def torchrun_group(timeout_s: float = 1800.0) -> Iterator[int]:
+    """For ``reshard`` commands launched by torchrun: a gloo group for the command's duration
+    (none when the process runs alone or already has one); yields this process's rank."""
+    import torch.distributed as dist
+
+    if not _torchrun_env() or (dist.is_available() and dist.is_initialized()):
+        yield dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-    return Workers(dist.get_rank(), dist.get_world_size(), owns_group=True)
+    try:
+        yield dist.get_rank()
+    finally:
+        dist.destroy_process_group()
 
 
 def split_files(files: list[FileLayout], world_size: int) -> list[list[int]]:

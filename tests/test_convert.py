@@ -181,3 +181,15 @@ def test_results_print_on_one_screen(fsdp2_dcp, tmp_path: Path) -> None:
     loaded = reshard.load_model(TinyNet(), tmp_path / "out", progress=False)
     text = repr(loaded)
     assert len(text) < 600 and f"{len(loaded.loaded)} loaded" in text and "missing=[]" in text, text
+
+
+def test_a_library_call_never_starts_a_process_group(fsdp2_dcp, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun's variables without a group, reshard.convert refuses (every rank would
+    write the same output) instead of joining one behind the caller's back."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    with pytest.raises(UsageError, match="no process group is initialized: call torch.distributed.init_process_group"):
+        reshard.convert(fsdp2_dcp[0], tmp_path / "out", quiet=True)
+    assert not dist.is_initialized() and not (tmp_path / "out").exists()
