@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import sys
 import traceback
@@ -22,6 +23,7 @@ from typer.core import TyperCommand
 
 from reshard.conventions import CONVENTIONS  # plain data: no torch import
 from reshard.errors import ReshardError, UsageError, speaking_cli
+from reshard.log import LOGGER, to_stderr
 
 SCHEMA_VERSION = 1
 _MIN_MEMORY = 1 << 20
@@ -46,8 +48,24 @@ app = typer.Typer(
 _debug = {"on": os.environ.get("RESHARD_DEBUG") == "1"}
 _allowed_by_options: list[Any] = []
 
-Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback on errors.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notices (errors still print).")]
+def _debug_logging(value: bool) -> bool:
+    if value:
+        LOGGER.setLevel(logging.DEBUG)
+    return value
+
+
+Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback on errors, and debug detail.",
+                                     callback=_debug_logging)]
+def _quiet_logging(value: bool) -> bool:
+    if value:
+        from reshard.log import quiet
+
+        quiet()
+    return value
+
+
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notices (errors still print).",
+                                     callback=_quiet_logging)]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (schema 1, see docs/cli.md).")]
 MaxMemory = Annotated[str, typer.Option(
     "--max-memory", help="Memory budget for tensor data: 512MiB, 2GiB (or 512M, 2G: binary); 2GB = 2*10^9 bytes.")]
@@ -214,8 +232,6 @@ def convert(
         typer.echo(dry_run_table(result))
     if quiet:
         return
-    for notice in result.notices:
-        _say(f"notice: {notice}")
     verb = "would write" if dry_run else "wrote"
     _say(f"{verb} {result.dst} ({result.format}, {result.tensors} tensors, {format_size(result.bytes)})"
          + ("" if dry_run else f" in {result.seconds:.1f}s"))
@@ -311,9 +327,6 @@ def push(
     typer.echo(f"{verb} {len(result.files)} files ({format_size(result.bytes)}) to {where}:")
     for name, size in result.files:
         typer.echo(f"  {name:<{width}}  {format_size(size)}")
-    if not quiet:
-        for notice in result.notices:
-            _say(f"notice: {notice}")
     if result.url:
         typer.echo(result.url)
 
@@ -417,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     _debug["on"] = os.environ.get("RESHARD_DEBUG") == "1"  # per call: main() may run many times in one process
     try:
-        with speaking_cli():
+        with speaking_cli(), to_stderr(logging.DEBUG if _debug["on"] else logging.INFO):
             rv = app(args=argv, standalone_mode=False, prog_name="reshard")
         if rv == 130:  # typer turns Ctrl-C into exit code 130 before we can see it
             _say("reshard: interrupted; no output was left behind")

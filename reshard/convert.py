@@ -24,6 +24,7 @@ from reshard.mesh.target import mesh_target
 from reshard.parallel import Workers, current_workers, split_files
 from reshard.mesh.placements import load_placement_plan
 from reshard.plan import Plan, full_target, make_plan, model_section
+from reshard.log import log_notices
 from reshard.sizes import format_size, parse_size, preview
 from reshard.sources import local_path, resolve_source
 from reshard.staging import StagedOutput
@@ -197,6 +198,8 @@ def convert(
     out = dst_path if dst_path is not None else remote_dst
 
     def result(seconds: float, kernel_bytes: int = 0, dry: bool = False, ranks: dict | None = None) -> ConvertResult:
+        if _rank() == 0:  # the same notices on every rank of a torchrun job: said once
+            log_notices(notices)
         return ConvertResult(src=source.location, dst=out, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
                              seconds=seconds, kernel_bytes=kernel_bytes, notices=notices, dry_run=dry,
                              files=[(f.relpath or Path(str(out)).name, f.size) for f in files], ranks=ranks)
@@ -215,6 +218,12 @@ def convert(
                          sources=(source.path,) if source.path is not None else (), label=source.label,
                          budget=budget, workers=workers, progress=not quiet, overwrite=overwrite, fsync=fsync)
     return result(time.perf_counter() - start, stats.kernel_bytes)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 # Suffixes of files reshard does not write: a DST named so is a mistake, not a DCP folder name.

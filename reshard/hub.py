@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, ReshardError, UsageError
+from reshard.log import log_notices
 
 __all__ = ["hub_source", "hub_files", "check_folder", "push", "PushResult", "LARGE_FOLDER_BYTES"]
 
@@ -275,4 +276,5 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, revi
         if _network_error(e):
             raise ReshardError(f"{repo_id}: could not reach the Hub ({_first_line(e)}); check the network, or use --dry-run") from None
         raise
+    log_notices(result.notices)
     return result

@@ -1,9 +1,9 @@
-"""Progress of long work in bytes: a tqdm bar on a terminal, a line every 10 s anywhere else.
+"""Progress of long work in bytes: a tqdm bar on a terminal, a logged line every 10 s anywhere else.
 
 A conversion can run for an hour inside a batch job whose log is a file: a bar drawn with
 carriage returns is noise there, and nothing at all leaves the user guessing whether it hangs.
-Off a terminal this prints one plain line at most every ``interval`` seconds (bytes done, rate,
-time left); on a terminal, a tqdm bar. Both count with ``format_size``, so the bar and the
+Off a terminal this logs one plain line (``reshard.log``) at most every ``interval`` seconds
+(bytes done, rate, time left), which the command line prints; on a terminal, a tqdm bar. Both count with ``format_size``, so the bar and the
 final summary print the same numbers ("512.5 MiB", never "513M" beside it).
 """
 
@@ -14,6 +14,7 @@ import threading
 import time
 from typing import TextIO
 
+from reshard.log import LOGGER
 from reshard.sizes import format_size
 
 __all__ = ["Progress", "format_duration"]
@@ -69,7 +70,7 @@ class Progress:
             elif now - self._last >= self.interval and now > self._start:  # a rate to report
                 self._last = now
                 pct = 100.0 * self.done / self.total
-                print(f"reshard: {self.desc}: {pct:.0f}% ({self._status(now)})", file=self.stream, flush=True)
+                LOGGER.info("reshard: %s: %.0f%% (%s)", self.desc, pct, self._status(now))
 
     def close(self) -> None:
         if self._bar is not None:

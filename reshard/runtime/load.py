@@ -38,6 +38,7 @@ from reshard.errors import ReshardError, UsageError
 from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
 from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
+from reshard.log import log_notices
 from reshard.progress import Progress
 from reshard.sizes import format_size, parse_size, preview
 
@@ -269,6 +270,13 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     return _Load(source, mode, outcome, slots, catalog)
 
 
+def _said(result: LoadResult) -> LoadResult:
+    """``result``, its notices logged (once: every rank has the same)."""
+    if _world()[0] == 0:
+        log_notices(result.notices)
+    return result
+
+
 def _result(load: _Load, nbytes: int, started: float) -> LoadResult:
     p = load.plan
     return LoadResult(load.source, load.mode, p.loaded, list(p.missing), list(p.unexpected), dict(p.objects),
@@ -311,7 +319,7 @@ def load_state_dict(
     """
     started = time.perf_counter()
     load = _prepare(state_dict, source, mode, keymap, strict, max_memory, layout, config=config, section=section)
-    return _result(load, load.execute(progress), started)
+    return _said(_result(load, load.execute(progress), started))
 
 
 def _param_groups(saved: Mapping[int | str, dict[str, Any]], live: list[dict[str, Any]], strict: bool,
@@ -395,7 +403,7 @@ def load_model(
             for index, values in groups.items():
                 osd["param_groups"][index].update(values)
             set_optimizer_state_dict(model, optimizer, osd)
-        return result
+        return _said(result)
     # The model's own state dict: its load hooks turn the names it saves back into its
     # parameters (torchtitan's FusedQKVLinear fuses wq/wk/wv into wqkv); the optimizer's
     # state tensors were filled in place.
@@ -404,7 +412,7 @@ def load_model(
         optimizer.param_groups[index].update(values)
     result.notices.append("loaded through the model's own state_dict and load_state_dict: torch's get_state_dict "
                           "cannot walk this model's state dict names to its parameters")
-    return result
+    return _said(result)
 
 
 def _inner_optimizer(optimizer: torch.optim.Optimizer | None) -> tuple[torch.optim.Optimizer | None, list[str]]:
