@@ -30,7 +30,7 @@ from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, ReshardError, UnsupportedFormatError, UsageError
 from reshard.formats.dcp.format import DCPFormat
 from reshard.formats.torch.save import add_leaves, flatten_tree
-from reshard.formats.torch.zip import read_torch_file
+from reshard.formats.torch.file import read_torch_file
 
 __all__ = ["MegatronFormat", "resolve_iteration", "megatron_heads"]
 

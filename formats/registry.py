@@ -28,7 +28,7 @@ _FORMATS: dict[str, str] = {
     "deepspeed": "reshard.formats.deepspeed.format:DeepSpeedFormat",
     "safetensors": "reshard.formats.safetensors.format:SafetensorsFormat",
     "hf-bin": "reshard.formats.hf.bin:HFBinFormat",  # pytorch_model.bin or *.bin.index.json (read only)
-    "torch-ranks": "reshard.formats.torch.ranks:TorchRanksFormat",
+    "torch-ranks": "reshard.formats.torch.rank_folder:TorchRanksFormat",
     "torch": "reshard.formats.torch.save:TorchSaveFormat",
     # A write target only (an HF model folder); HF folders are detected as safetensors.
     "hf": "reshard.formats.hf.format:HFFormat",

@@ -61,7 +61,9 @@ def inspect(path: str | os.PathLike, *, layout: str | None = None) -> Catalog:
         detect_layout(catalog, layout)  # an unknown name is a usage error
         catalog.attrs["layout"] = layout
         catalog.attrs["layout_given"] = True
-    return catalog
+    from reshard.report import CatalogReport
+
+    return CatalogReport.of(catalog)
 
 
 def __getattr__(name: str) -> Any:

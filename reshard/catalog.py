@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from reshard.boxes import Box
+from reshard.sizes import format_size
 
 if TYPE_CHECKING:
     from reshard.mesh.layout import MeshSpec, Placement
@@ -234,27 +235,11 @@ class Catalog:
     def nested_path(self, name: str) -> NestedPath:
         return self.paths.get(name, (name,))
 
-    def table(self) -> str:
-        """Every tensor (name, dtype, shape, bytes, chunks) and object, as ``reshard inspect`` prints it."""
-        from reshard.report import catalog_table
-
-        return catalog_table(self)
-
-    def to_json(self) -> dict[str, Any]:
-        """What ``reshard inspect --json`` prints (without the schema header)."""
-        from reshard.report import catalog_json
-
-        return catalog_json(self)
-
     def __repr__(self) -> str:
-        from reshard.report import catalog_repr
-
-        return catalog_repr(self)
-
-    def _repr_html_(self) -> str:
-        from reshard.report import catalog_repr
-
-        return catalog_repr(self, html=True)
+        """Counts only: ``reshard.inspect`` gives the catalog with its table and summary
+        (``reshard.report.CatalogReport``)."""
+        return (f"Catalog({self.format!r}, {str(self.path)!r}, {len(self.tensors)} tensors, {len(self.objects)} objects, "
+                f"{format_size(self.total_bytes)})")
 
 
 @dataclass

@@ -304,7 +304,7 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
 
         catalog = dequantized(catalog)
     if keymap is not None:  # lazily renamed entries; the source's real files are unchanged
-        from reshard.keymap.maps import load_keymap
+        from reshard.keymap.lookup import load_keymap
 
         catalog = load_keymap(keymap).apply(catalog)
     if to == "hf":  # model tensors under HF names, with config.json (reshard.formats.hf.format)

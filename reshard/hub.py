@@ -100,7 +100,7 @@ def _files(folder: Path) -> list[tuple[str, int]]:
 
 
 def _check_ties(folder: Path, config: dict[str, Any], tensors: dict[str, Any]) -> None:
-    from reshard.formats.hf.format import same_values
+    from reshard.values import same_values
 
     tie = config.get("tie_word_embeddings")
     if tie is True and _HEAD in tensors and _EMBED in tensors and not same_values(tensors[_HEAD], tensors[_EMBED], 1 << 28):

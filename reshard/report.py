@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ from reshard.conventions import AmbiguousLayoutError, detect_layout
 from reshard.dtypes import dtype_name
 from reshard.sizes import format_size
 
-__all__ = ["catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr", "dry_run_table", "format_name", "summary_line"]
+__all__ = ["CatalogReport", "catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr", "dry_run_table", "format_name", "summary_line"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -233,3 +234,27 @@ def dry_run_table(result: Any) -> str:
     if result.ranks is not None:
         lines += ["", mesh_table(result.ranks)]
     return "\n".join(lines)
+
+
+@dataclass(repr=False, eq=False)
+class CatalogReport(Catalog):
+    """A catalog as ``reshard.inspect`` gives it: the same data, and the ways ``reshard
+    inspect`` shows it (a summary as its repr, in notebooks too; ``table()``; ``to_json()``)."""
+
+    @classmethod
+    def of(cls, catalog: Catalog) -> CatalogReport:
+        return cls(**{f.name: getattr(catalog, f.name) for f in fields(catalog)})
+
+    def table(self) -> str:
+        """Every tensor (name, dtype, shape, bytes, chunks) and object, as ``reshard inspect`` prints it."""
+        return catalog_table(self)
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``reshard inspect --json`` prints (without the schema header)."""
+        return catalog_json(self)
+
+    def __repr__(self) -> str:
+        return catalog_repr(self)
+
+    def _repr_html_(self) -> str:
+        return catalog_repr(self, html=True)

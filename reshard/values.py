@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 
-from reshard.boxes import c_order_slabs, full_box
-from reshard.catalog import ChunkData
+from reshard.boxes import Box, c_order_slabs, full_box
+from reshard.catalog import ChunkData, TensorEntry
+from reshard.keymap.chunks import read_box
 
-__all__ = ["difference", "same_value", "tensor_digest", "tensor_bits_differ"]
+__all__ = ["difference", "same_value", "same_values", "tensor_digest", "tensor_bits_differ"]
 
 _SHOWN = 60
 _DIGEST_SLAB = 8 << 20
@@ -125,3 +126,19 @@ def tensor_digest(data: ChunkData, shape: tuple[int, ...], dtype: torch.dtype) -
             h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
     h.update(repr((tuple(shape), str(dtype), math.prod(shape))).encode())
     return h.hexdigest()
+
+
+def same_values(a: TensorEntry, b: TensorEntry, max_bytes: int) -> bool:
+    """Bit equality of two tensors, compared in row blocks so memory stays under ``max_bytes``."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.shape:
+        return torch.equal(read_box(a, Box((), ())).view(-1), read_box(b, Box((), ())).view(-1))
+    row = max(1, a.nbytes // max(1, a.shape[0]))
+    step = max(1, max_bytes // (2 * row))
+    for start in range(0, a.shape[0], step):
+        box = Box((start,) + (0,) * (len(a.shape) - 1), (min(step, a.shape[0] - start),) + a.shape[1:])
+        x, y = read_box(a, box), read_box(b, box)
+        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            return False
+    return True

@@ -239,7 +239,7 @@ def verify(
     cb: Catalog = read_catalog(b)
     a, b = ca.path, cb.path
     if keymap is not None:
-        from reshard.keymap.maps import load_keymap
+        from reshard.keymap.lookup import load_keymap
 
         if hf_configs(ca)[0] is None and hf_configs(cb)[0] is not None:  # the export's config says what model it is
             ca.attrs["hf_config"] = hf_configs(cb)[0]

@@ -44,7 +44,8 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from reshard.boxes import full_box
 from reshard.errors import ReshardError, UnsafeCheckpointError, UnsupportedFormatError
-from reshard.formats.dcp.metadata import DCPIndex, load_dcp_index
+from reshard.formats.dcp.index import load_dcp_index
+from reshard.formats.dcp.metadata import DCPIndex
 from reshard.formats.safetensors.format import SafetensorsFormat
 from reshard.formats.safetensors.header import Header, read_header
 from reshard.regions import StoredRegion

@@ -26,7 +26,8 @@ import torch
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, Target, TensorEntry
 from reshard.errors import CorruptCheckpointError
-from reshard.formats.dcp.metadata import ChunkTable, DCPIndex, StorageRecord, load_dcp_index
+from reshard.formats.dcp.index import load_dcp_index
+from reshard.formats.dcp.metadata import ChunkTable, DCPIndex, StorageRecord
 from reshard.formats.dcp.metadata_write import ChunkRecord, TensorRecord, metadata_bytes
 from reshard.formats.dcp.ranks import CheckedCopies, rank_metadata_files, same_bytes
 from reshard.formats.dcp.records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record

@@ -24,11 +24,11 @@ import numpy as np
 import torch
 
 from reshard import _torch_compat
-from reshard.boxes import Box, tiles_columns
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from reshard.boxes import Box
+from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
 from reshard.safe_pickle.unpickler import safe_loads
 
-__all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "load_dcp_index", "read_metadata_file"]
+__all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "read_metadata_file"]
 
 _MAX_METADATA_BYTES = 1 << 30
 
@@ -414,27 +414,6 @@ def _int_array(rows: list[Any], shape: tuple[int, int]) -> np.ndarray | None:
     except (ValueError, TypeError, OverflowError):
         return None
     return arr.astype(np.int64, copy=False) if arr.dtype.kind == "i" and arr.shape == shape else None
-
-
-def load_dcp_index(root: Path) -> DCPIndex:
-    """``root/.metadata``, or every ``root/__{rank}.metadata`` merged; each tensor's chunks
-    checked to tile it exactly once."""
-    meta_path = root / ".metadata"
-    if meta_path.is_file():
-        index, where = read_metadata_file(meta_path, root), f"{meta_path}"
-    else:  # dcp_ranks builds on this module: imported here, not at the top
-        from reshard.formats.dcp.ranks import merged_rank_index, rank_metadata_files
-
-        ranks = rank_metadata_files(root)
-        if not ranks:
-            raise CheckpointNotFoundError(f"{root}: no .metadata file; not a DCP checkpoint folder")
-        index, where = merged_rank_index(root, ranks), f"{root}/__*.metadata"
-    for name, (shape, _, _) in index.tensors.items():
-        table = index.table(name)
-        problem = tiles_columns(shape, table.offsets, table.sizes)
-        if problem:
-            raise CorruptCheckpointError(f"{where}: {name!r}: {problem}")
-    return index
 
 
 def _unpickled(meta_path: Path) -> Any:

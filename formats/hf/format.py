@@ -25,9 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from reshard.boxes import Box
 from reshard.catalog import Catalog, TensorEntry, Target
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
 from reshard.errors import UsageError
@@ -35,31 +33,16 @@ from reshard.formats.hf.files import (ASSET_FILES, find_assets, generation_confi
                                       write_json, written_dtype)
 from reshard.formats.pieces import FileLayout
 from reshard.formats.safetensors.format import SafetensorsFormat, SafetensorsWriter
-from reshard.keymap.maps import load_keymap, titan_family
-from reshard.keymap.chunks import read_box
+from reshard.keymap.lookup import load_keymap
+from reshard.keymap.maps import titan_family
 from reshard.provenance import hf_configs, training_config
+from reshard.values import same_values
 from reshard.sizes import parse_size
 
-__all__ = ["HFFormat", "HFWriter", "export_catalog", "same_values"]
+__all__ = ["HFFormat", "HFWriter", "export_catalog"]
 
 _HUB_SHARD_SIZE = "5GB"
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
-
-
-def same_values(a: TensorEntry, b: TensorEntry, max_bytes: int) -> bool:
-    """Bit equality of two tensors, compared in row blocks so memory stays under ``max_bytes``."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if not a.shape:
-        return torch.equal(read_box(a, Box((), ())).view(-1), read_box(b, Box((), ())).view(-1))
-    row = max(1, a.nbytes // max(1, a.shape[0]))
-    step = max(1, max_bytes // (2 * row))
-    for start in range(0, a.shape[0], step):
-        box = Box((start,) + (0,) * (len(a.shape) - 1), (min(step, a.shape[0] - start),) + a.shape[1:])
-        x, y = read_box(a, box), read_box(b, box)
-        if not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
-            return False
-    return True
 
 
 def _model_tensors(catalog: Catalog, layout: Layout) -> tuple[dict[str, TensorEntry], list[str]]:

@@ -13,7 +13,7 @@ The object pickle is replayed twice by the same allow-list unpickler: first to l
 storage's dtype and element count (the step over its bytes depends on them), then with every
 storage's place known. The pickle is small beside the data.
 
-The older tar layout (torch < 0.4) is refused by the caller (``torch_zip.read_torch_file``).
+The older tar layout (torch < 0.4) is refused by the caller (``torch.file.read_torch_file``).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _expect(stream: BinaryIO, where: str, what: str, check: Any) -> Any:
 
 def read_legacy(path: Path) -> Unpickled:
     """The object of a legacy torch.save file, tensors as StoredRegions, with placeholders
-    where globals nobody allowed were (see ``torch_zip.read_torch_file``)."""
+    where globals nobody allowed were (see ``torch.file.read_torch_file``)."""
     where = str(path)
     with open(path, "rb") as stream:
         size = os.fstat(stream.fileno()).st_size

@@ -19,7 +19,6 @@ from typing import Any
 
 from reshard.formats.torch.ranks_write import (
     LAYOUT_KEY,
-    TorchRanksWriter,
     read_layout_files,
 )
 from reshard.formats.torch.save import (
@@ -31,14 +30,13 @@ from reshard.formats.torch.save import (
     flatten_tree,
     leaf_loader,
 )
-from reshard.formats.torch.zip import DTensorRef, Record, read_torch_file
+from reshard.formats.torch.file import read_torch_file
+from reshard.formats.torch.zip import DTensorRef, Record
 
 from reshard.boxes import Box, full_box, tiles_exactly
 from reshard.catalog import Catalog, Chunk, ObjectTable, TensorEntry
 from reshard.errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
-    ReshardError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
@@ -46,7 +44,7 @@ from reshard.mesh.layout import Placement, shard_box
 from reshard.regions import StoredRegion
 from reshard.values import same_value, tensor_digest
 
-__all__ = ["TorchRanksFormat", "rank_files", "read_set", "read_trees", "complete_set", "first_refused"]
+__all__ = ["rank_files", "read_set", "read_trees", "complete_set", "first_refused", "one_set"]
 
 _RANK = re.compile(r"(?<![a-z])rank[_-]?(\d+)(?!\d)", re.IGNORECASE)
 
@@ -179,7 +177,7 @@ def _placement_names(placements: tuple[Any, ...]) -> list[str]:
     return [f"{p.kind}({(p.state or {}).get('dim', '')})" if isinstance(p, Record) else repr(p) for p in placements]
 
 
-def _one_set(path: Path, groups: dict[str, dict[int, Path]]) -> dict[int, Path]:
+def one_set(path: Path, groups: dict[str, dict[int, Path]]) -> dict[int, Path]:
     """rank -> file of the folder's single set of per-rank files, ranks 0..N-1 all present."""
     if len(groups) != 1:
         kinds = ", ".join(sorted(g.format("*") for g in groups)) or "none"
@@ -284,38 +282,3 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
     if trees[0].containers:
         catalog.attrs[CONTAINERS_ATTR] = trees[0].containers
     return catalog
-
-
-class TorchRanksFormat:
-    name = "torch-ranks"
-
-    def detect(self, path: Path) -> bool:
-        if not path.is_dir() or (path / ".metadata").exists():  # a DCP folder is DCP's
-            return False
-        return any(len(files) >= 2 for files in rank_files(path).values())
-
-    def read(self, path: Path) -> Catalog:
-        """Catalog the folder: one set of rank files, or verl's three (``formats/verl.py``).
-        Objects are read when asked for; one that names a global nobody allowed is refused
-        then, unless the folder cannot be read at all, when that refusal is what is reported."""
-        from reshard.formats.verl import read_verl, verl_sets
-
-        path = Path(path)
-        if not path.is_dir():
-            raise CheckpointNotFoundError(f"{path}: not a folder of per-rank torch files")
-        groups = rank_files(path)
-        sets = verl_sets(path, groups)
-        if sets is not None:
-            return read_verl(path, sets)
-        files = _one_set(path, groups)
-        trees = read_trees(files)
-        try:
-            return read_set(path, files, trees)
-        except ReshardError as e:
-            refused = None if isinstance(e, UnsafeCheckpointError) else first_refused(files, trees)
-            if refused is not None:
-                raise UnsafeCheckpointError(refused) from e
-            raise
-
-    def writer(self, dst: Path, **options: Any) -> TorchRanksWriter:
-        return TorchRanksWriter()

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from reshard.formats.pieces import FileLayout, Piece, Segment
-from reshard.formats.torch.zip import DTensorRef, Record, materialize, read_torch_file
+from reshard.formats.torch.file import read_torch_file
+from reshard.formats.torch.zip import DTensorRef, Record, materialize
 from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_segments
 
 from reshard.boxes import full_box

@@ -9,7 +9,8 @@ and stand-ins for classes the user allowed; ``read_torch_file`` (a whole torch f
 pre-1.6 legacy) leaves placeholders where other globals were, for the reader to refuse
 object by object.
 
-Writing lives in ``torch_zip_write``; the legacy layout in ``torch_legacy``.
+Writing lives in ``torch.zip_write``; the legacy layout in ``torch.legacy``; ``torch.file``
+reads a whole file of either kind.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from reshard.safe_pickle.value_types import VALUE_GLOBALS
 from reshard.regions import StoredRegion
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads, safe_loads_deferred
 
-__all__ = ["read_torch_zip", "read_torch_file", "load_object_blob", "materialize", "TorchPickle", "DTensorRef",
+__all__ = ["read_torch_zip", "read_torch_zip_deferred", "load_object_blob", "materialize", "TorchPickle", "DTensorRef",
            "Record", "STORAGE_DTYPES"]
 
 STORAGE_DTYPES = {
@@ -206,25 +207,8 @@ def read_torch_zip(path: Path, start: int = 0, length: int | None = None) -> Any
         return reader.load()
 
 
-def read_torch_file(path: Path) -> Unpickled:
-    """A whole torch.save file, zip or pre-1.6 legacy, read with placeholders where globals
-    nobody allowed were (``safe_loads_deferred``): the caller refuses the objects that hold
-    one when they are asked for, so a conversion of the model alone still works."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        head = os.pread(fd, 512, 0)
-    finally:
-        os.close(fd)
-    if head[:4] != b"PK\x03\x04":
-        from reshard.formats.torch.legacy import is_tar, read_legacy
-
-        if is_tar(head):
-            raise UnsupportedFormatError(
-                f"{path}: a torch.save file in the pre-0.4 tar format, which reshard does not read; load it with "
-                "an old torch and save it again"
-            )
-        if head[:1] == b"\x80":
-            return read_legacy(path)
+def read_torch_zip_deferred(path: Path) -> Unpickled:
+    """A whole torch.save archive with placeholders where globals nobody allowed were."""
     with _open_archive(path, 0, None) as reader:
         return reader.load_deferred()
 

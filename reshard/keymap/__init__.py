@@ -4,6 +4,7 @@
 renames a catalog without reading data; its optimizer state follows every rename.
 
 - ``maps``: the rules (rename, split, merge, stack, unstack, drop, RoPE permutation) and ``KeyMap``
+- ``lookup``: a key map by preset name or JSON file (``load_keymap``)
 - ``presets``: the tables of torchtitan's model families and HF's names
 - ``megatron``: Megatron-Core GPT/Llama to HF
 - ``patterns``: name templates and their inverses
@@ -17,7 +18,7 @@ _EXPORTS = {
     "apply_keymap": "reshard.keymap.apply",
     "FamilyKeyMap": "reshard.keymap.maps",
     "KeyMap": "reshard.keymap.maps",
-    "load_keymap": "reshard.keymap.maps",
+    "load_keymap": "reshard.keymap.lookup",
 }
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -24,11 +24,9 @@ source lazily, box by box (``keymap.chunks``).
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from reshard.catalog import Catalog
@@ -38,8 +36,8 @@ from reshard.keymap.patterns import Pattern, Replacement, invert, template
 from reshard.keymap.presets import HF_FAMILY, HF_UNFUSE, TITAN_FAMILIES, WRAPPERS
 from reshard.provenance import model_params
 
-__all__ = ["KeyMap", "FamilyKeyMap", "Rename", "Split", "Merge", "Unstack", "Stack", "Drop", "Rope", "load_keymap",
-           "keymap_from_json", "titan_family", "PRESETS"]
+__all__ = ["KeyMap", "FamilyKeyMap", "Rename", "Split", "Merge", "Unstack", "Stack", "Drop", "Rope",
+           "keymap_from_json", "titan_family", "titan_to_hf", "hf_to_titan", "hf_unfuse"]
 
 
 @dataclass(frozen=True)
@@ -216,6 +214,16 @@ def _strip(fqn: str, strip: tuple[tuple[str, bool], ...]) -> str:
 # ------------------------------------------------------------------------------ presets and JSON
 
 
+def titan_to_hf() -> FamilyKeyMap:
+    return FamilyKeyMap("titan-to-hf", {f: _titan_rules(f) for f in TITAN_FAMILIES})
+
+
+def hf_to_titan(era: str = "v2") -> FamilyKeyMap:
+    """HF names to torchtitan's: ``v2`` its 0.2 names, ``v3`` its 0.3 names."""
+    name = "hf-to-titan" if era == "v2" else "hf-to-titan-0.3"
+    return FamilyKeyMap(name, {f: _hf_rules(f, era) for f in TITAN_FAMILIES})
+
+
 def _titan_rules(family: str) -> KeyMap:
     """torchtitan -> HF for one model family, accepting the names of every torchtitan era."""
     rules: list[Rule] = []
@@ -292,22 +300,11 @@ def titan_family(catalog: Catalog) -> str:
     return next((family for family, hints in _NAME_HINTS if any(h in names for h in hints)), "llama3")
 
 
-def _hf_unfuse() -> KeyMap:
+def hf_unfuse() -> KeyMap:
     rules: list[Rule] = []
     for fused, parts, ratio in HF_UNFUSE:
         rules.append(Split(template(fused)[0], tuple(template(p)[1] for p in parts), ratio))
     return KeyMap(tuple(rules), name="hf-unfuse")
-
-
-PRESETS: dict[str, Callable[[], Any]] = {
-    "titan-to-hf": lambda: FamilyKeyMap("titan-to-hf", {f: _titan_rules(f) for f in TITAN_FAMILIES}),
-    "hf-to-titan": lambda: FamilyKeyMap("hf-to-titan", {f: _hf_rules(f, "v2") for f in TITAN_FAMILIES}),
-    "hf-to-titan-0.3": lambda: FamilyKeyMap("hf-to-titan-0.3", {f: _hf_rules(f, "v3") for f in TITAN_FAMILIES}),
-    "hf-unfuse": _hf_unfuse,
-    "hf-fuse": lambda: replace(_hf_unfuse().inverse(), name="hf-fuse"),
-    "strip-wrappers": lambda: KeyMap(strip=WRAPPERS, name="strip-wrappers"),
-    "megatron-to-hf": lambda: __import__("reshard.keymap.megatron", fromlist=["megatron_to_hf"]).megatron_to_hf(),
-}
 
 
 def _ratio(value: Any, where: str) -> tuple[int | str, ...]:
@@ -365,23 +362,3 @@ def keymap_from_json(doc: Any, where: str) -> KeyMap:
     if not isinstance(params, dict) or not all(isinstance(v, int) for v in params.values()):
         raise UsageError(f"{where}: 'params' must map names to integers")
     return KeyMap(tuple(_json_rule(r, f"{where} rule {i}") for i, r in enumerate(rules)), strip, params, where)
-
-
-def load_keymap(spec: str | Path | dict | KeyMap | FamilyKeyMap) -> KeyMap | FamilyKeyMap:
-    """A preset name (``titan-to-hf``, ``hf-to-titan``, ``hf-to-titan-0.3``, ``hf-unfuse``,
-    ``hf-fuse``, ``strip-wrappers``, ``megatron-to-hf``), a path to a JSON map, an already parsed
-    JSON map, or a map."""
-    if isinstance(spec, (KeyMap, FamilyKeyMap)):
-        return spec
-    if isinstance(spec, dict):
-        return keymap_from_json(spec, "key map")
-    if str(spec) in PRESETS:
-        return PRESETS[str(spec)]()
-    path = Path(spec)
-    if not path.is_file():
-        raise UsageError(f"--keymap {spec}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: key map is not valid JSON ({e})") from None
-    return keymap_from_json(doc, str(path))

@@ -151,7 +151,7 @@ def _read_catalog(source: Path, keymap: Any, layout: str | None, config: Any = N
         catalog.attrs["layout"] = layout
         catalog.attrs["layout_given"] = True
     if keymap is not None:
-        from reshard.keymap.maps import load_keymap
+        from reshard.keymap.lookup import load_keymap
 
         catalog = load_keymap(keymap).apply(catalog)
     return catalog

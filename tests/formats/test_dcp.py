@@ -107,7 +107,7 @@ def test_records_found_by_offsets_read_like_records_found_by_index(fsdp2_dcp, tm
     another order, take the general path: both give the same chunks, bytes and files."""
     from dataclasses import replace
 
-    from reshard.formats.dcp.metadata import load_dcp_index
+    from reshard.formats.dcp.index import load_dcp_index
 
     ckpt = _copy(fsdp2_dcp[0], tmp_path)
 

@@ -16,7 +16,7 @@ import reshard
 from reshard.boxes import full_box
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, detect_layout
 from reshard.errors import UsageError
-from reshard.keymap.maps import load_keymap
+from reshard.keymap.lookup import load_keymap
 from reshard.keymap.chunks import read_box
 from tests.dist import run_world
 from tests.schema import check

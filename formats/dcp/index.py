@@ -1,0 +1,32 @@
+"""A DCP folder's index: its ``.metadata``, or the per-rank ``__{rank}.metadata`` files of a
+``use_collectives=False`` save merged into one, each tensor's chunks checked to tile it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from reshard.boxes import tiles_columns
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError
+from reshard.formats.dcp.metadata import DCPIndex, read_metadata_file
+from reshard.formats.dcp.ranks import merged_rank_index, rank_metadata_files
+
+__all__ = ["load_dcp_index"]
+
+
+def load_dcp_index(root: Path) -> DCPIndex:
+    """``root/.metadata``, or every ``root/__{rank}.metadata`` merged; each tensor's chunks
+    checked to tile it exactly once."""
+    meta_path = root / ".metadata"
+    if meta_path.is_file():
+        index, where = read_metadata_file(meta_path, root), f"{meta_path}"
+    else:
+        ranks = rank_metadata_files(root)
+        if not ranks:
+            raise CheckpointNotFoundError(f"{root}: no .metadata file; not a DCP checkpoint folder")
+        index, where = merged_rank_index(root, ranks), f"{root}/__*.metadata"
+    for name, (shape, _, _) in index.tensors.items():
+        table = index.table(name)
+        problem = tiles_columns(shape, table.offsets, table.sizes)
+        if problem:
+            raise CorruptCheckpointError(f"{where}: {name!r}: {problem}")
+    return index
