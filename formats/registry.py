@@ -10,7 +10,7 @@ import importlib
 from pathlib import Path
 
 from reshard.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
-from reshard.formats.base import Format
+from reshard.protocol import Format
 
 __all__ = ["get_format", "detect_format", "FORMAT_NAMES", "format_for_destination"]
 

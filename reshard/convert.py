@@ -16,8 +16,8 @@ from reshard.conventions import detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError, option
-from reshard.formats.base import Writer
-from reshard.formats.pieces import FileLayout
+from reshard.protocol import Writer
+from reshard.pieces import FileLayout
 from reshard.formats.registry import format_for_destination, get_format
 from reshard.mesh.layout import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
@@ -346,7 +346,7 @@ def write_output(plan: Plan, writer: Writer, target: Target, files: list[FileLay
     staged = StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=sources, fsync=fsync)
     # Files for the manifest are hashed as the engine finishes them (in the page cache, while
     # later files copy), unless the writer's finish rewrites them (zarr pads and compresses).
-    hash_early = writer.output_is_dir and not getattr(writer, "finish_rewrites_data", False)
+    hash_early = writer.output_is_dir and not writer.finish_rewrites_data
     if group is None:
         with staged as out:
             stats = engine.run(plan, out.staging, writer.output_is_dir, digests=hash_early)

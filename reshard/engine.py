@@ -33,7 +33,7 @@ import torch
 from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.catalog import ChunkData
 from reshard.errors import CorruptCheckpointError, UsageError, option
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from reshard.errors import ReshardError, UsageError
-from reshard.formats.pieces import FileLayout
+from reshard.pieces import FileLayout
 
 __all__ = ["Workers", "current_workers", "torchrun_group", "split_files"]
 

@@ -19,7 +19,7 @@ from reshard.catalog import (Catalog, Chunk, IndexedTensorEntry, NestedPath, Obj
                              object_loader, pick_objects)
 from reshard.conventions import PARAM, Layout, detect_layout
 from reshard.errors import UsageError
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 from reshard.structure import CONTAINERS_ATTR
 
 __all__ = ["Plan", "PieceSources", "Source", "Casting", "full_target", "make_plan", "model_section", "select", "sources_for"]

@@ -7,7 +7,7 @@ import torch
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.engine import Engine
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 from reshard.plan import full_target, make_plan
 from reshard.regions import StoredRegion
 

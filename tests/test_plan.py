@@ -8,7 +8,7 @@ import torch
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import UsageError
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 from reshard.plan import full_target, make_plan
 
 

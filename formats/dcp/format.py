@@ -32,7 +32,7 @@ from reshard.formats.dcp.metadata_write import ChunkRecord, TensorRecord, metada
 from reshard.formats.dcp.ranks import CheckedCopies, rank_metadata_files, same_bytes
 from reshard.formats.dcp.records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record
 from reshard.formats.dcp.zstd import ZstdChunk, load_zstd_object
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 from reshard.formats.torch.zip import load_object_blob, read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
 from reshard.regions import StoredRegion
@@ -212,6 +212,7 @@ class DCPWriter:
     rank; objects in rank 0's file."""
 
     output_is_dir = True
+    finish_rewrites_data = False
 
     def __init__(self) -> None:
         self._records: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}

@@ -31,7 +31,7 @@ from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_
 from reshard.errors import UsageError
 from reshard.formats.hf.files import (ASSET_FILES, find_assets, generation_config, llama_config, model_card, with_dtype,
                                       write_json, written_dtype)
-from reshard.formats.pieces import FileLayout
+from reshard.pieces import FileLayout
 from reshard.formats.safetensors.format import SafetensorsFormat, SafetensorsWriter
 from reshard.keymap.lookup import load_keymap
 from reshard.keymap.maps import titan_family

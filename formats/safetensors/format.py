@@ -27,7 +27,7 @@ from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, NestedPath, Target
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from reshard.formats.dcp.safetensors import DCP_KEYS, assemble, shard_boxes
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 from reshard.formats.safetensors.header import (
     MAX_HEADER_SIZE,
     Unencodable,
@@ -240,6 +240,8 @@ class SafetensorsWriter:
     ``reshard.paths`` as tagged JSON; other files hold ``{"format": "pt"}``. ``format`` is always
     ``pt`` (the bytes are torch's), whatever the source said.
     """
+
+    finish_rewrites_data = False  # finish writes the index only
 
     def __init__(self, dst: Path, *, max_shard_size: int | None = None) -> None:
         if max_shard_size is not None and max_shard_size <= 0:

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 from reshard.formats.torch.save import (
     CONTAINERS_ATTR,
     FlatTree,
@@ -40,6 +40,7 @@ class TorchRanksWriter:
     """``rank{r}.pt`` for every rank of the target mesh."""
 
     output_is_dir = True
+    finish_rewrites_data = False
 
     def layout(self, target: Target) -> list[FileLayout]:
         if target.mesh is None:

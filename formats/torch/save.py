@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.formats.pieces import FileLayout, Piece, Segment
+from reshard.pieces import FileLayout, Piece, Segment
 from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.zip import DTensorRef, Record, materialize
 from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_segments
@@ -303,6 +303,7 @@ class TorchSaveWriter:
     """One torch.save archive holding every tensor whole, nested as the source was."""
 
     output_is_dir = False
+    finish_rewrites_data = False
 
     def __init__(self, dst: Path) -> None:
         stem = Path(dst).stem

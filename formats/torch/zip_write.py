@@ -27,7 +27,7 @@ import torch
 
 from reshard import _torch_compat
 from reshard.errors import UnsafeCheckpointError
-from reshard.formats.pieces import Piece, Segment, segment_size
+from reshard.pieces import Piece, Segment, segment_size
 from reshard.safe_pickle.inert import Inert, Refused
 from reshard.safe_pickle.walk import replace_in
 

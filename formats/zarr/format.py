@@ -33,7 +33,7 @@ from typing import Any
 
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.pieces import FileLayout
+from reshard.pieces import FileLayout
 from reshard.formats.safetensors.header import Unencodable, decode_value, encode_value
 from reshard.formats.torch.zip import load_object_blob
 from reshard.formats.zarr.chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress

@@ -27,7 +27,7 @@ import torch
 from reshard.boxes import Box
 from reshard.catalog import Target, TargetTensor
 from reshard.errors import UsageError
-from reshard.formats.pieces import Piece, Segment
+from reshard.pieces import Piece, Segment
 from reshard.formats.zarr.meta import ZARR_JSON, ArrayMeta
 
 __all__ = ["CHUNK_BYTES", "ArrayLayout", "plan_arrays", "default_chunk_shape", "mesh_chunk_shape", "chunk_segments"]

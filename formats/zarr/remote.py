@@ -18,7 +18,7 @@ import torch
 
 from reshard.catalog import Target
 from reshard.errors import OutputExistsError, option
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 from reshard.formats.zarr.format import ZarrWriter, write_metadata
 from reshard.formats.zarr.chunks import compress as zstd
 from reshard.formats.zarr.meta import ZARR_JSON

@@ -13,7 +13,7 @@ import torch
 from reshard.boxes import full_box
 from reshard.catalog import Target, TargetTensor
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.pieces import FileLayout, Piece
+from reshard.pieces import FileLayout, Piece
 
 __all__ = ["reference", "raw_bytes", "same", "whole_target", "write_layout", "raw_file", "BROKEN"]
 

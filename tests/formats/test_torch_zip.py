@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from reshard.boxes import full_box
-from reshard.formats.pieces import Piece
+from reshard.pieces import Piece
 from reshard.formats.torch.zip import read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_segments
 from reshard.regions import StoredRegion

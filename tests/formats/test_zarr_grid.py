@@ -13,7 +13,7 @@ import reshard
 from reshard.boxes import Box, full_box
 from reshard.catalog import Target, TargetTensor
 from reshard.engine import Engine
-from reshard.formats.pieces import Piece
+from reshard.pieces import Piece
 from reshard.formats.zarr.format import ZarrWriter
 from reshard.formats.zarr.grid import chunk_segments, default_chunk_shape
 from reshard.plan import make_plan

@@ -23,8 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from reshard.formats.pieces import FileLayout
 from reshard.catalog import Catalog, Target
+from reshard.pieces import FileLayout
 
 __all__ = ["Format", "Writer"]
 
@@ -32,9 +32,9 @@ __all__ = ["Format", "Writer"]
 class Writer(Protocol):
     # True when the output is a directory (DCP, sharded safetensors), False for one file.
     output_is_dir: bool
-    # Optional, default False: True when ``finish`` rewrites data files the engine wrote
-    # (zarr pads and compresses chunks), so digests taken before it are stale.
-    # finish_rewrites_data: bool
+    # True when ``finish`` rewrites data files the engine wrote (zarr pads and compresses
+    # chunks), so digests taken before it are stale.
+    finish_rewrites_data: bool
 
     def layout(self, target: Target) -> list[FileLayout]: ...
 
