@@ -1,49 +1,92 @@
-"""Which format a path holds, and the format object for a ``--to`` name.
+"""Every format reshard knows, in one table: how to import it, what it recognizes (in words,
+for the error that lists them), whether ``--to`` offers it, and which output names are its.
 
-Format modules are imported on first use, so ``reshard --help`` and a DCP-only conversion do
-not pay for optional libraries (zarr) they never touch.
+A format is one package plus one ``FormatEntry`` here (or ``register_format`` for one that
+lives elsewhere): detection, ``--to``, default output names, the ``--help`` of ``convert``
+and the error listing what reshard reads all come from this table. Format modules are
+imported on first use, so ``reshard --help`` and a DCP-only conversion do not pay for
+formats they never touch.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from reshard.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
-from reshard.protocol import Format
 
-__all__ = ["get_format", "detect_format", "FORMAT_NAMES", "format_for_destination"]
+if TYPE_CHECKING:
+    from reshard.protocol import Format
+
+__all__ = ["FormatEntry", "FORMATS", "register_format", "get_format", "detect_format", "format_names", "write_names",
+           "format_for_destination", "default_suffix"]
+
+
+@dataclass(frozen=True)
+class FormatEntry:
+    name: str
+    target: str  # "module:Class", imported on first use
+    holds: str  # what ``detect`` recognizes, in words
+    writes: bool = False  # offered by ``--to``
+    suffixes: tuple[str, ...] = ()  # a destination whose name ends so is this format
+    default_suffix: str = ""  # of a default output name, for single-file outputs
+
 
 # Detection order matters: a DCP folder may also contain other files; an HF folder with both
 # safetensors and .bin weights (the Hub often keeps both) is read as safetensors, as
 # transformers loads it; a folder of per-rank torch files is tried before a single torch file.
-_FORMATS: dict[str, str] = {
+FORMATS: list[FormatEntry] = [
     # Megatron-Core's torch_dist is a DCP folder with metadata.json and common.pt beside it.
-    "megatron": "reshard.formats.megatron:MegatronFormat",
-    "dcp": "reshard.formats.dcp.format:DCPFormat",
-    "accelerate": "reshard.formats.accelerate:AccelerateFormat",  # save_state: model + optimizer DCP folders (read only)
-    "zarr": "reshard.formats.zarr.format:ZarrFormat",  # a folder with zarr.json at its root
-    # global_stepN/ (or its parent, through latest) and ds_to_universal folders (read only);
-    # before torch-ranks: its per-rank *_optim_states.pt are no DTensor rank files.
-    "deepspeed": "reshard.formats.deepspeed.format:DeepSpeedFormat",
-    "safetensors": "reshard.formats.safetensors.format:SafetensorsFormat",
-    "hf-bin": "reshard.formats.hf.bin:HFBinFormat",  # pytorch_model.bin or *.bin.index.json (read only)
-    "torch-ranks": "reshard.formats.torch.rank_folder:TorchRanksFormat",
-    "torch": "reshard.formats.torch.save:TorchSaveFormat",
+    FormatEntry("megatron", "reshard.formats.megatron:MegatronFormat", "a Megatron-Core torch_dist iter_N folder"),
+    FormatEntry("dcp", "reshard.formats.dcp.format:DCPFormat", "a DCP folder with .metadata", writes=True),
+    FormatEntry("accelerate", "reshard.formats.accelerate:AccelerateFormat", "an accelerate save_state folder"),
+    FormatEntry("zarr", "reshard.formats.zarr.format:ZarrFormat", "a zarr v3 store with zarr.json", writes=True,
+                suffixes=(".zarr",), default_suffix=".zarr"),
+    # before torch-ranks: DeepSpeed's per-rank *_optim_states.pt are no DTensor rank files.
+    FormatEntry("deepspeed", "reshard.formats.deepspeed.format:DeepSpeedFormat", "a DeepSpeed global_stepN folder"),
+    FormatEntry("safetensors", "reshard.formats.safetensors.format:SafetensorsFormat",
+                "*.safetensors or a folder of them", writes=True, suffixes=(".safetensors",),
+                default_suffix=".safetensors"),
+    FormatEntry("hf-bin", "reshard.formats.hf.bin:HFBinFormat",
+                "an HF folder with pytorch_model.bin or a *.bin.index.json"),
+    FormatEntry("torch-ranks", "reshard.formats.torch.rank_folder:TorchRanksFormat", "a folder of per-rank torch files"),
+    FormatEntry("torch", "reshard.formats.torch.save:TorchSaveFormat", "a torch .pt/.pth/.bin file", writes=True,
+                suffixes=(".pt", ".pth", ".bin"), default_suffix=".pt"),
     # A write target only (an HF model folder); HF folders are detected as safetensors.
-    "hf": "reshard.formats.hf.format:HFFormat",
-}
-FORMAT_NAMES = tuple(_FORMATS)
-# What ``--to`` offers (torch-ranks is what ``--to torch --to-mesh`` writes; hf-bin is read only).
-WRITE_NAMES = ("dcp", "safetensors", "torch", "hf", "zarr")
+    FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True),
+]
 _cache: dict[str, Format] = {}
 
 
+def register_format(entry: FormatEntry, *, before: str | None = None) -> None:
+    """Add a format (detected before ``before``, else last); it joins ``--to`` when it writes."""
+    if any(e.name == entry.name for e in FORMATS):
+        raise UsageError(f"a format named {entry.name!r} is already registered")
+    at = next((i for i, e in enumerate(FORMATS) if e.name == before), len(FORMATS))
+    FORMATS.insert(at, entry)
+
+
+def format_names() -> tuple[str, ...]:
+    return tuple(e.name for e in FORMATS)
+
+
+def write_names() -> tuple[str, ...]:
+    """What ``--to`` offers (torch-ranks is what ``--to torch --to-mesh`` writes)."""
+    return tuple(e.name for e in FORMATS if e.writes)
+
+
+def _entry(name: str) -> FormatEntry | None:
+    return next((e for e in FORMATS if e.name == name), None)
+
+
 def get_format(name: str) -> Format:
-    if name not in _FORMATS:
-        raise UsageError(f"unknown format {name!r}; choose one of: {', '.join(WRITE_NAMES)}")
+    entry = _entry(name)
+    if entry is None:
+        raise UsageError(f"unknown format {name!r}; choose one of: {', '.join(write_names())}")
     if name not in _cache:
-        module, cls = _FORMATS[name].split(":")
+        module, cls = entry.target.split(":")
         _cache[name] = getattr(importlib.import_module(module), cls)()
     return _cache[name]
 
@@ -52,26 +95,21 @@ def detect_format(path: Path) -> Format:
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
-    for name in _FORMATS:
-        fmt = get_format(name)
+    for entry in list(FORMATS):
+        fmt = get_format(entry.name)
         if fmt.detect(path):
             return fmt
     raise UnsupportedFormatError(
-        f"{path}: not a checkpoint reshard recognizes (expected a DCP folder with .metadata, an accelerate "
-        "save_state folder, "
-        "*.safetensors or a folder of them, an HF folder with pytorch_model.bin or a *.bin.index.json, a torch "
-        ".pt/.pth/.bin file, a folder of per-rank torch files, a zarr v3 store with zarr.json, a DeepSpeed "
-        "global_stepN folder or a Megatron-Core torch_dist iter_N folder)"
-    )
+        f"{path}: not a checkpoint reshard recognizes (expected {', '.join(e.holds for e in FORMATS if e.holds)})")
 
 
 def format_for_destination(dst: Path) -> str:
     """``--to`` when only DST is given: by suffix, else a DCP folder."""
     suffix = dst.suffix.lower()
-    if suffix == ".safetensors":
-        return "safetensors"
-    if suffix in (".pt", ".pth", ".bin"):
-        return "torch"
-    if suffix == ".zarr":
-        return "zarr"
-    return "dcp"
+    return next((e.name for e in FORMATS if e.writes and suffix in e.suffixes), "dcp")
+
+
+def default_suffix(name: str) -> str:
+    """The suffix of a default single-file output name of format ``name``."""
+    entry = _entry(name)
+    return entry.default_suffix if entry is not None else ""

@@ -36,6 +36,22 @@ class _Command(TyperCommand):
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
 
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        """Option help that lists formats or key maps says what the registry and the presets
+        hold now (``{write_formats}``, ``{keymap_presets}``)."""
+        from reshard.formats.registry import write_names
+        from reshard.keymap.presets import PRESET_NAMES
+
+        values = {"{write_formats}": ", ".join(write_names()), "{keymap_presets}": ", ".join(PRESET_NAMES)}
+        for param in self.params:
+            template = getattr(param, "_help_template", None) or getattr(param, "help", None) or ""
+            if any(key in template for key in values):
+                param._help_template = template  # type: ignore[attr-defined]
+                for key, value in values.items():
+                    template = template.replace(key, value)
+                param.help = template  # type: ignore[attr-defined]
+        super().format_help(ctx, formatter)
+
 
 app = typer.Typer(
     name="reshard",
@@ -47,6 +63,7 @@ app = typer.Typer(
 
 _debug = {"on": os.environ.get("RESHARD_DEBUG") == "1"}
 _allowed_by_options: list[Any] = []
+
 
 def _debug_logging(value: bool) -> bool:
     if value:
@@ -181,7 +198,7 @@ def inspect(
 def convert(
     src: Src,
     dst: Annotated[Optional[str], typer.Argument(metavar="DST", help="Output path or zarr URL (memory://, s3://...); default: beside SRC, named after the target.")] = None,
-    to: Annotated[Optional[str], typer.Option("--to", help="dcp, safetensors, torch (with --to-mesh: one file per rank), hf or zarr; default from DST's suffix, else dcp.")] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="Output format: {write_formats} (torch with --to-mesh: one file per rank); default from DST's suffix, else dcp.")] = None,
     to_mesh: ToMesh = None,
     placements: Placements = None,
     keep_per_rank: Annotated[bool, typer.Option(
@@ -190,7 +207,7 @@ def convert(
     only: Annotated[Optional[str], typer.Option("--only", help="Keep one part: model (into a .pt/.safetensors file: the model's own keys), optim, or any name prefix.")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Drop tensors and objects whose names match this glob (repeatable).")] = None,
     layout: LayoutOption = None,
-    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename tensors: titan-to-hf, hf-to-titan, hf-to-titan-0.3, megatron-to-hf, hf-unfuse, hf-fuse, strip-wrappers, or a MAP.json.")] = None,
+    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename tensors: {keymap_presets}, or a MAP.json.")] = None,
     config: Annotated[Optional[str], typer.Option("--config", help="The model's config: a config.json, an HF folder or a Hub repo id (head counts for key maps; config.json of --to hf).")] = None,
     hf_assets: Annotated[Optional[str], typer.Option("--hf-assets", help="With --to hf: copy the tokenizer, chat template and generation config of this folder or Hub repo id.")] = None,
     weights_only: Annotated[bool, typer.Option("--weights-only", help="With --to hf: write the safetensors only, without config.json (not loadable by from_pretrained as is).")] = False,

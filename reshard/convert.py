@@ -18,7 +18,7 @@ from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError, option
 from reshard.protocol import Writer
 from reshard.pieces import FileLayout
-from reshard.formats.registry import format_for_destination, get_format
+from reshard.formats.registry import FORMATS, default_suffix, format_for_destination, get_format
 from reshard.mesh.layout import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
 from reshard.parallel import Workers, current_workers, split_files
@@ -31,7 +31,6 @@ from reshard.staging import StagedOutput
 
 __all__ = ["ConvertResult", "convert", "build_target", "write_output", "default_destination", "source_files"]
 
-_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt", "zarr": ".zarr"}
 # Formats that can hold a mesh layout, and the writer that does it.
 _MESH_FORMATS = {"dcp": "dcp", "torch": "torch-ranks", "torch-ranks": "torch-ranks", "zarr": "zarr"}
 
@@ -76,12 +75,12 @@ def default_destination(src: Path, to: str, *, sharded: bool = False, mesh_label
     ``ckpt_3_torch``, ``ckpt.safetensors``, ``ckpt_hf``); never ``src`` itself, and two
     different conversions of one source never default to the same name."""
     stem = src.name
-    for suffix in (".safetensors", ".pt", ".pth", ".bin", ".ckpt", ".zarr"):
+    for suffix in (*(s for e in FORMATS for s in e.suffixes), ".ckpt"):
         stem = stem.removesuffix(suffix)
     parts = [stem] + ([mesh_label] if mesh_label else []) + ([dtype] if dtype else [])
     single_file = mesh_label is None and not sharded and to in ("safetensors", "torch")
     if single_file:
-        name = "_".join(parts) + _SUFFIX[to]
+        name = "_".join(parts) + default_suffix(to)
     elif to == "zarr":
         name = "_".join(parts) + ".zarr"
     elif to == "dcp" and len(parts) > 1:

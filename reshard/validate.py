@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from reshard.errors import ReshardError, UsageError
+from reshard.formats.registry import default_suffix
 
 __all__ = ["PATHS", "PathResult", "ValidateResult", "validate", "convert_path", "format_table"]
 
 PATHS = ("dcp", "safetensors", "torch", "zarr")
-_SUFFIX = {"safetensors": ".safetensors", "torch": ".pt", "zarr": ".zarr"}
 
 
 @dataclass
@@ -89,7 +89,7 @@ def convert_path(name: str, ckpt: Path, workdir: Path, to_mesh: str) -> list[Pat
         out = workdir / f"dcp_{to_mesh}"
         reshard.convert(ckpt, out, to="dcp", mesh=to_mesh, quiet=True)
         return [out]
-    mid = workdir / f"{name}{_SUFFIX[name]}"
+    mid = workdir / f"{name}{default_suffix(name)}"
     reshard.convert(ckpt, mid, to=name, quiet=True)
     back = workdir / f"{name}_back"
     reshard.convert(mid, back, to="dcp", quiet=True)

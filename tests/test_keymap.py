@@ -301,3 +301,9 @@ def test_family_comes_from_the_config_or_the_names() -> None:
     assert titan_family(cat(["layers.0.attention.wq.weight"], {"model_type": "qwen3"})) == "qwen3"
     with pytest.raises(UsageError, match="model_type 'gpt2' has no torchtitan key map"):
         titan_family(cat([], {"model_type": "gpt2"}))
+
+
+def test_the_preset_names_help_lists_are_the_presets() -> None:
+    from reshard.keymap.presets import PRESET_NAMES
+
+    assert set(PRESET_NAMES) == set(PRESETS)

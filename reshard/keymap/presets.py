@@ -131,3 +131,8 @@ WRAPPERS: tuple[tuple[str, bool], ...] = (
     ("_checkpoint_wrapped_module", True),
     ("module", False),
 )
+
+# The names ``load_keymap`` knows (``keymap.lookup.PRESETS`` builds each), here without imports
+# so that ``--help`` can list them without loading torch.
+PRESET_NAMES = ("titan-to-hf", "hf-to-titan", "hf-to-titan-0.3", "megatron-to-hf", "hf-unfuse", "hf-fuse",
+                "strip-wrappers")

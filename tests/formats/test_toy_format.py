@@ -1,0 +1,48 @@
+"""Adding a format takes one module (tests/formats/toy_format.py) and one registry entry:
+detection, ``--to``, default names, ``convert --help`` and the list of what reshard reads all
+follow from the entry, and every command works on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from reshard.cli import main
+from reshard.formats import registry
+from reshard.formats.registry import FormatEntry, register_format
+
+
+@pytest.fixture
+def toy_registered(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(registry, "FORMATS", list(registry.FORMATS))  # the test's own copy of the table
+    monkeypatch.setattr(registry, "_cache", dict(registry._cache))
+    register_format(FormatEntry("toy", "tests.formats.toy_format:ToyFormat", "a toy folder with toy.json",
+                                writes=True, suffixes=(".toy",)), before="torch")
+
+
+def test_a_format_is_one_module_and_one_registry_line(toy_registered, fsdp2_dcp, fsdp2_reference, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    assert main(["convert", "--help"]) == 0
+    assert "toy" in capsys.readouterr().out
+    out = tmp_path / "model.toy"
+    assert main(["convert", str(fsdp2_dcp[0]), str(out), "--only", "model", "--quiet"]) == 0
+    assert (out / "toy.json").is_file() and (out / "data.bin").is_file()
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    assert "toy" in capsys.readouterr().out
+    back = tmp_path / "back.safetensors"
+    assert main(["convert", str(out), str(back), "--quiet"]) == 0
+    theirs = load_file(back)  # safetensors' own reader
+    model = {k.removeprefix("model."): v for k, v in fsdp2_reference.items() if k.startswith("model.")}
+    assert len(theirs) == len(model) > 0
+    assert theirs.keys() == {f"model.{k}" for k in model} or theirs.keys() == model.keys()
+    for name, value in theirs.items():
+        assert torch.equal(value, model[name.removeprefix("model.")]), name
+    assert main(["convert", str(out), "--dry-run", "--quiet"]) == 0  # a default name beside it
+    (tmp_path / "junk").mkdir()
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "junk")]) == 2
+    assert "a toy folder with toy.json" in capsys.readouterr().err
