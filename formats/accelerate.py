@@ -30,6 +30,7 @@ from typing import Any
 from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
 from reshard.structure import CONTAINERS_ATTR
+from reshard.options import ConvertOptions
 
 __all__ = ["AccelerateFormat", "MODEL_DIR", "OPTIMIZER_DIR", "model_indices"]
 
@@ -97,7 +98,7 @@ class AccelerateFormat:
             catalog.attrs.pop("source_world_size", None)
         return catalog
 
-    def writer(self, dst: Path, **options: Any) -> Any:
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> Any:
         raise UsageError("accelerate folders are read only: write --to dcp (reshard.load_model resumes from it) "
                          "or --to hf")
 

@@ -31,6 +31,7 @@ from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, Resh
 from reshard.formats.dcp.format import DCPFormat
 from reshard.formats.torch.save import add_leaves, flatten_tree
 from reshard.formats.torch.file import read_torch_file
+from reshard.options import ConvertOptions
 
 __all__ = ["MegatronFormat", "resolve_iteration", "megatron_heads"]
 
@@ -142,6 +143,6 @@ class MegatronFormat:
             catalog.tensors[name] = TensorEntry(name, (), step.dtype, [Chunk(c.box, c.data) for c in step.chunks])
             catalog.paths[name] = (name,)
 
-    def writer(self, dst: Path, **options: Any) -> Any:
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> Any:
         raise UsageError("reshard reads Megatron-Core checkpoints but does not write them; convert to dcp, hf, "
                          "safetensors or torch (or --to-mesh for an FSDP2 run)")

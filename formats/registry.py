@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from reshard.protocol import Format
 
 __all__ = ["FormatEntry", "FORMATS", "register_format", "get_format", "detect_format", "format_names", "write_names",
-           "format_for_destination", "default_suffix"]
+           "format_for_destination", "default_suffix", "taking", "format_options"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class FormatEntry:
     writes: bool = False  # offered by ``--to``
     suffixes: tuple[str, ...] = ()  # a destination whose name ends so is this format
     default_suffix: str = ""  # of a default output name, for single-file outputs
+    options: tuple[str, ...] = ()  # the format-specific ``ConvertOptions`` its writer uses
 
 
 # Detection order matters: a DCP folder may also contain other files; an HF folder with both
@@ -43,19 +44,20 @@ FORMATS: list[FormatEntry] = [
     FormatEntry("dcp", "reshard.formats.dcp.format:DCPFormat", "a DCP folder with .metadata", writes=True),
     FormatEntry("accelerate", "reshard.formats.accelerate:AccelerateFormat", "an accelerate save_state folder"),
     FormatEntry("zarr", "reshard.formats.zarr.format:ZarrFormat", "a zarr v3 store with zarr.json", writes=True,
-                suffixes=(".zarr",), default_suffix=".zarr"),
+                suffixes=(".zarr",), default_suffix=".zarr", options=("max_shard_size", "compress")),
     # before torch-ranks: DeepSpeed's per-rank *_optim_states.pt are no DTensor rank files.
     FormatEntry("deepspeed", "reshard.formats.deepspeed.format:DeepSpeedFormat", "a DeepSpeed global_stepN folder"),
     FormatEntry("safetensors", "reshard.formats.safetensors.format:SafetensorsFormat",
                 "*.safetensors or a folder of them", writes=True, suffixes=(".safetensors",),
-                default_suffix=".safetensors"),
+                default_suffix=".safetensors", options=("max_shard_size",)),
     FormatEntry("hf-bin", "reshard.formats.hf.bin:HFBinFormat",
                 "an HF folder with pytorch_model.bin or a *.bin.index.json"),
     FormatEntry("torch-ranks", "reshard.formats.torch.rank_folder:TorchRanksFormat", "a folder of per-rank torch files"),
     FormatEntry("torch", "reshard.formats.torch.save:TorchSaveFormat", "a torch .pt/.pth/.bin file", writes=True,
                 suffixes=(".pt", ".pth", ".bin"), default_suffix=".pt"),
     # A write target only (an HF model folder); HF folders are detected as safetensors.
-    FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True),
+    FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True,
+                options=("max_shard_size", "hf_assets", "weights_only")),
 ]
 _cache: dict[str, Format] = {}
 
@@ -107,6 +109,16 @@ def format_for_destination(dst: Path) -> str:
     """``--to`` when only DST is given: by suffix, else a DCP folder."""
     suffix = dst.suffix.lower()
     return next((e.name for e in FORMATS if e.writes and suffix in e.suffixes), "dcp")
+
+
+def taking(option_name: str) -> list[str]:
+    """The formats whose writers use format-specific option ``option_name``, by name."""
+    return sorted(e.name for e in FORMATS if option_name in e.options)
+
+
+def format_options(name: str) -> tuple[str, ...]:
+    entry = _entry(name)
+    return entry.options if entry is not None else ()
 
 
 def default_suffix(name: str) -> str:

@@ -24,17 +24,18 @@ if TYPE_CHECKING:
     from reshard.catalog import Catalog
     from reshard.convert import ConvertResult, convert
     from reshard.hub import PushResult, push
+    from reshard.options import ConvertOptions
     from reshard.runtime.load import LoadResult, load_model, load_state_dict
     from reshard.safe_pickle.unpickler import allow_classes
     from reshard.verify import VerifyResult, verify
 
-__all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "ConvertResult",
-           "VerifyResult", "PushResult", "LoadResult", "ReshardError", "allow_classes", "__version__"]
+__all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "ConvertOptions",
+           "ConvertResult", "VerifyResult", "PushResult", "LoadResult", "ReshardError", "allow_classes", "__version__"]
 __version__ = "0.2.0"
 
 # name -> the module that defines it (imported when the name is first used).
 _LAZY = {
-    "convert": "reshard.convert", "ConvertResult": "reshard.convert",
+    "convert": "reshard.convert", "ConvertResult": "reshard.convert", "ConvertOptions": "reshard.options",
     "verify": "reshard.verify", "VerifyResult": "reshard.verify",
     "push": "reshard.hub", "PushResult": "reshard.hub",
     "load_model": "reshard.runtime.load", "load_state_dict": "reshard.runtime.load", "LoadResult": "reshard.runtime.load",

@@ -229,15 +229,16 @@ def convert(
     from reshard.sizes import format_size
 
     import reshard
+    from reshard.options import ConvertOptions
     from reshard.parallel import torchrun_group
 
+    options = ConvertOptions(
+        to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only, exclude=exclude, keymap=keymap,
+        layout=layout, config=config, hf_assets=hf_assets, weights_only=weights_only, max_memory=max_memory,
+        max_shard_size=max_shard_size, compress=compress, keep_per_rank=keep_per_rank, overwrite=overwrite,
+        quiet=quiet or as_json, fsync=fsync, dry_run=dry_run)
     with torchrun_group() as rank:  # under torchrun the ranks split the work; rank 0 reports
-        result = reshard.convert(
-            src, dst, to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only,
-            max_memory=max_memory, max_shard_size=max_shard_size, overwrite=overwrite, quiet=quiet or as_json,
-            fsync=fsync, keep_per_rank=keep_per_rank, keymap=keymap, compress=compress, exclude=exclude,
-            layout=layout, config=config, hf_assets=hf_assets, weights_only=weights_only, dry_run=dry_run,
-        )
+        result = reshard.convert(src, dst, options)
     if rank != 0:
         return
     if as_json:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from reshard.catalog import Catalog, Target, pick_objects
 from reshard.conventions import detect_layout, layout_notices
@@ -18,14 +17,15 @@ from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError, option
 from reshard.protocol import Writer
 from reshard.pieces import FileLayout
-from reshard.formats.registry import FORMATS, default_suffix, format_for_destination, get_format
+from reshard.formats.registry import FORMATS, default_suffix, format_for_destination, format_options, get_format, taking
+from reshard.options import ConvertOptions, named
 from reshard.mesh.layout import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
 from reshard.parallel import Workers, current_workers, split_files
 from reshard.mesh.placements import load_placement_plan
 from reshard.plan import Plan, full_target, make_plan, model_section
 from reshard.log import log_notices
-from reshard.sizes import format_size, parse_size, preview
+from reshard.sizes import format_size, preview
 from reshard.sources import local_path, resolve_source
 from reshard.staging import StagedOutput
 
@@ -115,29 +115,13 @@ def _check_unchanged(before: dict[Path, tuple[int, int]]) -> None:
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
-    *,
-    to: str | None = None,
-    mesh: str | None = None,
-    placements: str | None = None,
-    dtype: str | torch.dtype | None = None,
-    only: str | None = None,
-    max_memory: str | int = "1GiB",
-    max_shard_size: str | int | None = None,
-    overwrite: bool = False,
-    quiet: bool = False,
-    workers: int | None = None,
-    fsync: bool = False,
-    keep_per_rank: bool = False,
-    keymap: str | None = None,
-    compress: bool = False,
-    exclude: str | list[str] | None = None,
-    layout: str | None = None,
-    config: str | os.PathLike | None = None,
-    hf_assets: str | os.PathLike | None = None,
-    weights_only: bool = False,
-    dry_run: bool = False,
+    options: ConvertOptions | None = None,
+    **given: Any,
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` (format ``to``, or guessed from ``dst``).
+
+    The options are ``ConvertOptions`` fields, given as keyword arguments or as one value
+    (``options``, with keyword arguments overriding its fields).
 
     Lossless unless asked otherwise: names, dtypes and every bit of every tensor are kept;
     objects travel where the target can hold them (``ConvertResult.notices`` says what
@@ -145,8 +129,8 @@ def convert(
     out for that device mesh: each tensor stored as the target ranks' shards under
     ``placements`` (``fsdp``, ``hsdp``, ``fsdp+tp`` or a PLAN.json). Peak memory is bounded
     by ``max_memory``, not by the checkpoint size. The output appears atomically;
-    ``fsync=True`` also makes it durable against power loss. Under torchrun the ranks share
-    the work and write one output.
+    ``fsync=True`` also makes it durable against power loss. Within a process group the ranks
+    share the work and write one output.
 
     >>> reshard.convert("ckpt/", "model.safetensors", only="model", dtype="bfloat16")
     >>> reshard.convert("ckpt/", to="dcp", mesh="4x8")  # writes ckpt_4x8/ beside ckpt/
@@ -166,31 +150,26 @@ def convert(
     writes nothing.
     """
     start = time.perf_counter()
+    opts = _options(options, given)
     source = resolve_source(src)
     dst_path = local_path(dst) if dst is not None else None
     remote_dst = str(dst) if dst is not None and dst_path is None else None  # a zarr store behind an fsspec URL
-    budget = parse_size(max_memory)
-    shard_size = parse_size(max_shard_size) if max_shard_size is not None else None
     catalog = source.catalog
     before = source_files(catalog) if source.path is not None else {}
+    to = opts.to
     if to is None:
         to = "zarr" if remote_dst else destination_format(dst_path) if dst_path is not None else "dcp"
     if remote_dst is not None and to != "zarr":
         raise UsageError(f"{remote_dst}: a URL destination is a zarr store; use --to zarr or a local DST")
-    catalog, to, target, spec = build_target(catalog, to, mesh=mesh, placements=placements, dtype=dtype, only=only,
-                                             keep_per_rank=keep_per_rank, keymap=keymap, budget=budget,
-                                             exclude=exclude, layout=layout, config=config, hf_assets=hf_assets,
-                                             weights_only=weights_only)
-    cast = str(parse_dtype(dtype)).removeprefix("torch.") if dtype is not None else None
+    catalog, to, target, spec = build_target(catalog, to, opts)
+    cast = str(parse_dtype(opts.dtype)).removeprefix("torch.") if opts.dtype is not None else None
     if dst_path is None and remote_dst is None:
         if source.beside is None:
             raise UsageError(f"{src}: a remote source needs an explicit DST (a path or URL)")
-        dst_path = default_destination(source.beside, to, sharded=shard_size is not None,
+        dst_path = default_destination(source.beside, to, sharded=opts.shard_bytes is not None,
                                        mesh_label=spec.label if spec else None, dtype=cast)
-    check_output_options(dst_path if dst_path is not None else Path(remote_dst), to, sharded=shard_size is not None,
-                         compress=compress, mesh=mesh, keep_per_rank=keep_per_rank)
-    writer = get_format(to).writer(dst_path if dst_path is not None else remote_dst, max_shard_size=shard_size,
-                                   **({"compress": True, "max_memory": budget} if compress else {}))
+    check_output_options(dst_path if dst_path is not None else Path(remote_dst), to, opts)
+    writer = get_format(to).writer(dst_path if dst_path is not None else remote_dst, opts)
     files = writer.layout(target)
     plan = make_plan(catalog, files)
     notices = target.notices + list(writer.notices(target))
@@ -203,7 +182,7 @@ def convert(
                              seconds=seconds, kernel_bytes=kernel_bytes, notices=notices, dry_run=dry,
                              files=[(f.relpath or Path(str(out)).name, f.size) for f in files], ranks=ranks)
 
-    if dry_run:
+    if opts.dry_run:
         from reshard.mesh.report import mesh_summary
 
         ranks = mesh_summary(target, detect_layout(catalog)) if target.mesh is not None else None
@@ -211,12 +190,19 @@ def convert(
     if remote_dst is not None:  # object stores have no rename: chunks first, the root zarr.json last
         from reshard.formats.zarr.remote import write_url
 
-        write_url(remote_dst, plan, target, writer, max_memory=budget, overwrite=overwrite, workers=workers)
+        write_url(remote_dst, plan, target, writer, opts)
         return result(time.perf_counter() - start)
-    stats = write_output(plan, writer, target, files, dst_path, before, current_workers(),
-                         sources=(source.path,) if source.path is not None else (), label=source.label,
-                         budget=budget, workers=workers, progress=not quiet, overwrite=overwrite, fsync=fsync)
+    stats = write_output(plan, writer, target, files, dst_path, before, current_workers(), opts,
+                         sources=(source.path,) if source.path is not None else (), label=source.label)
     return result(time.perf_counter() - start, stats.kernel_bytes)
+
+
+def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOptions:
+    """``options`` with the keyword arguments' fields replaced (or the keyword arguments alone)."""
+    from_kwargs = ConvertOptions.of(given)  # checks the names
+    if options is None:
+        return from_kwargs
+    return replace(options, **{k: getattr(from_kwargs, k) for k in given})
 
 
 def _rank() -> int:
@@ -242,20 +228,28 @@ def destination_format(dst: Path) -> str:
     return format_for_destination(dst)
 
 
-def check_output_options(dst: Path, to: str, *, sharded: bool, compress: bool, mesh: str | None,
-                         keep_per_rank: bool) -> None:
-    """Refuse option combinations that would be silently ignored or produce a surprise."""
-    if compress and to != "zarr":
-        raise UsageError("--compress applies to zarr output only (--to zarr)")
-    if sharded and to not in ("safetensors", "hf", "zarr"):
-        raise UsageError(f"--max-shard-size applies to safetensors, hf and zarr outputs, not {to} "
-                         "(DCP and torch files are laid out per tensor or per rank)")
-    if sharded and to == "safetensors" and dst.suffix == ".safetensors":
+def check_output_options(dst: Path, to: str, opts: ConvertOptions) -> None:
+    """Refuse option combinations that would be silently ignored or produce a surprise: a
+    format-specific option its format does not take (``FormatEntry.options``), a sharded
+    safetensors output named as one file, per-rank state kept without a mesh."""
+    _refuse_options_not_taken(to, opts, opts.format_options_set())
+    if opts.shard_bytes is not None and to == "safetensors" and dst.suffix == ".safetensors":
         raise UsageError(f"{dst}: a sharded safetensors output is a folder (shards + index); give DST without "
                          f".safetensors, e.g. {dst.with_suffix('')}")
-    if keep_per_rank and mesh is None:
+    if opts.keep_per_rank and opts.mesh is None:
         raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'mesh=')} "
                          "(per-rank state is kept as is otherwise)")
+
+
+def _refuse_options_not_taken(to: str, opts: ConvertOptions, names: list[str]) -> None:
+    """A format-specific option given for a format whose writer does not use it: refused,
+    naming the formats that take it (their registry entries say so)."""
+    fmt = "torch" if to == "torch-ranks" else to
+    for name in names:
+        if name not in format_options(fmt):
+            *rest, last = taking(name)
+            formats = f"{', '.join(rest)} and {last}" if rest else last
+            raise UsageError(f"{named(name)} applies to {formats} outputs, not {fmt}")
 
 
 def excluded(catalog: Catalog, globs: str | list[str] | None) -> Catalog:
@@ -272,18 +266,16 @@ def excluded(catalog: Catalog, globs: str | list[str] | None) -> Catalog:
                    paths={n: p for n, p in catalog.paths.items() if n not in drop})
 
 
-def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str | None, dtype: str | None,
-                 only: str | None, keep_per_rank: bool, keymap: str | None, budget: int,
-                 exclude: str | list[str] | None = None, layout: str | None = None,
-                 config: str | os.PathLike | None = None, hf_assets: str | os.PathLike | None = None,
-                 weights_only: bool = False) -> tuple[Catalog, str, Target, MeshSpec | None]:
+def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catalog, str, Target, MeshSpec | None]:
     """What ``to`` will hold: the catalog renamed by ``keymap`` (and cut to HF model tensors for
     ``hf``), the writer's format name, the target, and the mesh. Every check that can refuse the
     conversion runs here, before a byte is written; local and URL conversions share it."""
+    mesh, placements, dtype, only, keymap = opts.mesh, opts.placements, opts.dtype, opts.only, opts.keymap
+    layout, config = opts.layout, opts.config
     if placements is not None and mesh is None:
-        raise UsageError("--placements needs --to-mesh")
-    if (hf_assets is not None or weights_only) and to != "hf":
-        raise UsageError("--hf-assets and --weights-only apply to --to hf")
+        raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")
+    # Before an HF export reads anything: the options only it takes.
+    _refuse_options_not_taken(to, opts, [n for n in opts.format_options_set() if n in ("hf_assets", "weights_only")])
     if layout is not None:
         detect_layout(catalog, layout)  # an unknown name is a usage error now, not after the keymap
         catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout, "layout_given": True})
@@ -297,7 +289,7 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
         from reshard.formats.hf.files import load_config
 
         catalog = replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config)})
-    catalog = excluded(catalog, exclude)
+    catalog = excluded(catalog, opts.exclude)
     if dtype is not None:  # FP8 / MXFP4 weights: dequantized with their scales, never cast without them
         from reshard.quant import dequantized
 
@@ -309,8 +301,9 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
     if to == "hf":  # model tensors under HF names, with config.json (reshard.formats.hf.format)
         from reshard.formats.hf.format import export_catalog
 
-        catalog = export_catalog(catalog, max_memory=budget, assets=None if hf_assets is None else str(hf_assets),
-                                 weights_only=weights_only)
+        catalog = export_catalog(catalog, max_memory=opts.budget,
+                                 assets=None if opts.hf_assets is None else str(opts.hf_assets),
+                                 weights_only=opts.weights_only)
     else:  # an HF source's config.json travels as objects, for a later --to hf
         from reshard.provenance import carry_hf_configs
 
@@ -330,19 +323,20 @@ def build_target(catalog: Catalog, to: str, *, mesh: str | None, placements: str
     if to not in _MESH_FORMATS:
         raise UsageError(f"--to {to} holds whole tensors; --to-mesh lays out dcp, torch (one file per rank) or zarr")
     target = mesh_target(catalog, spec, load_placement_plan(placements, spec), dtype=parse_dtype(dtype),
-                         only=only, keep_per_rank=keep_per_rank, layout=conventions)
+                         only=only, keep_per_rank=opts.keep_per_rank, layout=conventions)
     return catalog, _MESH_FORMATS[to], target, spec
 
 
 def write_output(plan: Plan, writer: Writer, target: Target, files: list[FileLayout], dst: Path,
-                 before: dict[Path, tuple[int, int]], group: Workers | None, *, sources: tuple[Path, ...], label: str,
-                 budget: int, workers: int | None, progress: bool, overwrite: bool, fsync: bool) -> EngineStats:
+                 before: dict[Path, tuple[int, int]], group: Workers | None, opts: ConvertOptions, *,
+                 sources: tuple[Path, ...], label: str) -> EngineStats:
     """Stage, write and commit a local output; under torchrun each rank writes its share of
     the files and rank 0 stages, finishes and commits. ``sources``: local paths DST must not
     overwrite; ``before``: their files' sizes and mtimes, checked again before the commit."""
     rank = group.rank if group is not None else 0
-    engine = Engine(budget, workers=workers, progress=progress and rank == 0, desc=f"{label} → {dst.name}", fsync=fsync)
-    staged = StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=overwrite, sources=sources, fsync=fsync)
+    engine = Engine(opts.budget, workers=opts.workers, progress=not opts.quiet and rank == 0, desc=f"{label} → {dst.name}",
+                    fsync=opts.fsync)
+    staged = StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=opts.overwrite, sources=sources, fsync=opts.fsync)
     # Files for the manifest are hashed as the engine finishes them (in the page cache, while
     # later files copy), unless the writer's finish rewrites them (zarr pads and compresses).
     hash_early = writer.output_is_dir and not writer.finish_rewrites_data

@@ -7,7 +7,8 @@ Lifecycle of a conversion, and who calls what:
    tensor's global shape, dtype and chunks (each chunk can read any sub-box of itself), and
    the small objects. No tensor data is read here.
 3. The engine builds a ``Target`` (what the output holds: names, shapes, dtypes, boxes per
-   target rank, objects) and asks ``fmt.writer(...)`` for a ``Writer``.
+   target rank, objects) and asks ``fmt.writer(dst, options)`` for a ``Writer``; it reads the
+   ``ConvertOptions`` its registry entry declares, and ignores the rest.
 4. ``writer.layout(target)`` returns the output files as ``FileLayout``s: literal header
    bytes and ``Piece``s in file order. Everything a format needs to say about sizes and
    offsets is computable here, before data moves.
@@ -21,9 +22,10 @@ A format module knows its byte layout and the catalog, nothing about meshes or b
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from reshard.catalog import Catalog, Target
+from reshard.options import ConvertOptions
 from reshard.pieces import FileLayout
 
 __all__ = ["Format", "Writer"]
@@ -52,4 +54,4 @@ class Format(Protocol):
 
     def read(self, path: Path) -> Catalog: ...
 
-    def writer(self, dst: Path, **options: Any) -> Writer: ...
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> Writer: ...

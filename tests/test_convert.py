@@ -141,7 +141,7 @@ def test_default_destination_is_beside_the_source(fsdp2_dcp, tmp_path: Path) -> 
 @pytest.mark.parametrize("args, message", [
     (["out.onnx"], "reshard does not write .onnx files"),
     (["sh.safetensors", "--max-shard-size", "500KB"], "a sharded safetensors output is a folder"),
-    (["x.pt", "--max-shard-size", "1MB"], "--max-shard-size applies to safetensors, hf and zarr"),
+    (["x.pt", "--max-shard-size", "1MB"], "--max-shard-size applies to hf, safetensors and zarr outputs, not torch"),
     (["--keep-per-rank"], "--keep-per-rank applies with --to-mesh"),
     (["--max-memory", "10"], "--max-memory 10: 10 B is too small"),
     (["--to-mesh", "foo=2"], "unknown dimension 'foo'"),
@@ -193,3 +193,17 @@ def test_a_library_call_never_starts_a_process_group(fsdp2_dcp, tmp_path: Path, 
     with pytest.raises(UsageError, match="no process group is initialized: call torch.distributed.init_process_group"):
         reshard.convert(fsdp2_dcp[0], tmp_path / "out", quiet=True)
     assert not dist.is_initialized() and not (tmp_path / "out").exists()
+
+
+def test_options_as_one_value_or_keywords(fsdp2_dcp, tmp_path: Path) -> None:
+    """``ConvertOptions`` is what the CLI builds; keyword arguments override its fields, and a
+    misspelt one is a usage error naming the real ones."""
+    from reshard.options import ConvertOptions
+
+    opts = ConvertOptions(only="model", dtype="bfloat16", quiet=True)
+    result = reshard.convert(fsdp2_dcp[0], tmp_path / "m.safetensors", opts)
+    assert {v.dtype for v in load_file(result.dst).values()} == {torch.bfloat16}
+    result = reshard.convert(fsdp2_dcp[0], tmp_path / "f.safetensors", opts, dtype=None)
+    assert {v.dtype for v in load_file(result.dst).values()} == {torch.float32}
+    with pytest.raises(UsageError, match="unknown conversion option 'dtpye'; the options are .*dtype"):
+        reshard.convert(fsdp2_dcp[0], tmp_path / "x.pt", dtpye="bfloat16")

@@ -104,7 +104,7 @@ def test_fsdp2_checkpoint_of_an_hf_model_exports_completely(trained: Path, capsy
 def test_weights_only_and_config_from_an_hf_folder(trained: Path) -> None:
     out = reshard.convert(trained / "ckpt", trained / "weights", to="hf", weights_only=True, quiet=True).dst
     assert not (out / "config.json").exists() and not (out / "tokenizer.json").exists()
-    with pytest.raises(reshard.ReshardError, match="--hf-assets and --weights-only apply to --to hf"):
+    with pytest.raises(reshard.ReshardError, match="weights_only=True applies to hf outputs, not torch"):
         reshard.convert(trained / "ckpt", trained / "x.pt", weights_only=True, quiet=True)
     # HF -> HF: config, generation config and tokenizer of the source folder travel by default.
     full = trained / "full"

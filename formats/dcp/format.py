@@ -37,6 +37,7 @@ from reshard.formats.torch.zip import load_object_blob, read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
 from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
+from reshard.options import ConvertOptions
 
 __all__ = ["DCPFormat", "DCPWriter"]
 
@@ -187,7 +188,7 @@ class DCPFormat:
         catalog.objects = ObjectTable(loaders)
         return catalog
 
-    def writer(self, dst: Path, **options: Any) -> DCPWriter:
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> DCPWriter:
         return DCPWriter()
 
 

@@ -37,6 +37,7 @@ from reshard.formats.deepspeed.zero import ZeroParam, split_concatenated, zero3_
 from reshard.formats.deepspeed.flat import FlatBuffer, fragment_chunks
 from reshard.safe_pickle.inert import Inert
 from reshard.regions import StoredRegion
+from reshard.options import ConvertOptions
 
 __all__ = ["DeepSpeedFormat"]
 
@@ -293,7 +294,7 @@ class DeepSpeedFormat:
             return read_universal(folder)
         return _Zero(zero_files(folder), folder).read()
 
-    def writer(self, dst: Path, **options: Any) -> Any:
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> Any:
         raise UsageError("reshard reads DeepSpeed checkpoints but does not write them; convert to dcp, safetensors, "
                          "torch or hf (or --to-mesh for an FSDP2 run)")
 

@@ -38,6 +38,7 @@ from reshard.keymap.maps import titan_family
 from reshard.provenance import hf_configs, training_config
 from reshard.values import same_values
 from reshard.sizes import parse_size
+from reshard.options import ConvertOptions
 
 __all__ = ["HFFormat", "HFWriter", "export_catalog"]
 
@@ -161,8 +162,8 @@ class HFFormat:
     def read(self, path: Path) -> Catalog:
         return SafetensorsFormat().read(path)
 
-    def writer(self, dst: Path, *, max_shard_size: int | str | None = None, **options: Any) -> HFWriter:
-        return HFWriter(dst, max_shard_size=None if max_shard_size is None else parse_size(max_shard_size))
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> HFWriter:
+        return HFWriter(dst, max_shard_size=(options or ConvertOptions()).shard_bytes)
 
 
 class HFWriter(SafetensorsWriter):

@@ -40,7 +40,7 @@ from reshard.formats.safetensors.header import (
 )
 from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
-from reshard.sizes import parse_size
+from reshard.options import ConvertOptions
 
 __all__ = ["SafetensorsFormat", "SafetensorsWriter", "INDEX_NAME", "OBJECTS_KEY", "PATHS_KEY"]
 
@@ -205,8 +205,8 @@ class SafetensorsFormat:
                 catalog.attrs[key] = _load_json(root / filename, filename)
         return catalog
 
-    def writer(self, dst: Path, *, max_shard_size: int | str | None = None, **options: Any) -> SafetensorsWriter:
-        return SafetensorsWriter(dst, max_shard_size=None if max_shard_size is None else parse_size(max_shard_size))
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> SafetensorsWriter:
+        return SafetensorsWriter(dst, max_shard_size=(options or ConvertOptions()).shard_bytes)
 
 
 # ---------------------------------------------------------------------------------- writing

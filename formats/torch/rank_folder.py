@@ -5,13 +5,13 @@ outputs (``torch.ranks_write``)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointNotFoundError, ReshardError, UnsafeCheckpointError
 from reshard.formats.torch.ranks import first_refused, one_set, rank_files, read_set, read_trees
 from reshard.formats.torch.ranks_write import TorchRanksWriter
 from reshard.formats.verl import read_verl, verl_sets
+from reshard.options import ConvertOptions
 
 __all__ = ["TorchRanksFormat"]
 
@@ -45,5 +45,5 @@ class TorchRanksFormat:
                 raise UnsafeCheckpointError(refused) from e
             raise
 
-    def writer(self, dst: Path, **options: Any) -> TorchRanksWriter:
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> TorchRanksWriter:
         return TorchRanksWriter()

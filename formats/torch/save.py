@@ -49,6 +49,7 @@ from reshard.safe_pickle.walk import find_in
 from reshard.regions import StoredRegion
 from reshard.safe_pickle.unpickler import Unpickled, refusal_message
 from reshard.structure import CONTAINERS_ATTR
+from reshard.options import ConvertOptions
 
 __all__ = [
     "CONTAINERS_ATTR",
@@ -295,7 +296,7 @@ class TorchSaveFormat:
             catalog.attrs[CONTAINERS_ATTR] = flat.containers
         return catalog
 
-    def writer(self, dst: Path, **options: Any) -> TorchSaveWriter:
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> TorchSaveWriter:
         return TorchSaveWriter(dst)
 
 

@@ -43,6 +43,7 @@ from reshard.formats.zarr.store import LocalStore, Store, open_store
 from reshard.formats.torch.zip_write import torch_save_bytes
 from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.options import ConvertOptions
 
 __all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "seal_chunk", "OBJECTS_FILE"]
 
@@ -201,15 +202,16 @@ class ZarrFormat:
         """A local store folder, or an fsspec URL (``memory://...``, ``s3://...``)."""
         return read_store(open_store(path), path)
 
-    def writer(self, dst: Path | str, *, compress: bool = False, max_shard_size: int | None = None,
-               max_memory: int | None = None, **options: Any) -> ZarrWriter:
+    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> ZarrWriter:
         """``max_shard_size`` (``--max-shard-size``) caps the chunk size when no mesh sets it.
-        Compressed chunks are compressed and decoded whole: ``max_memory`` then caps every
-        chunk at an eighth of it, shards or not (``plan_arrays``). A reader holds a chunk
-        compressed, decoded and copied, beside its slabs (``Engine._workers_for``): a reader
-        with the same budget then decodes on two workers, not one."""
-        cap = max(1, max_memory // 8) if compress and max_memory else None
-        return ZarrWriter(compress=compress, chunk_bytes=max_shard_size, chunk_cap=cap, max_memory=max_memory)
+        Compressed chunks (``compress``) are compressed and decoded whole: ``max_memory`` then
+        caps every chunk at an eighth of it, shards or not (``plan_arrays``). A reader holds a
+        chunk compressed, decoded and copied, beside its slabs (``Engine._workers_for``): a
+        reader with the same budget then decodes on two workers, not one."""
+        opts = options or ConvertOptions()
+        max_memory = opts.budget if opts.compress else None
+        cap = max(1, max_memory // 8) if max_memory else None
+        return ZarrWriter(compress=opts.compress, chunk_bytes=opts.shard_bytes, chunk_cap=cap, max_memory=max_memory)
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -18,6 +18,7 @@ import torch
 
 from reshard.catalog import Target
 from reshard.errors import OutputExistsError, option
+from reshard.options import ConvertOptions
 from reshard.pieces import FileLayout, Piece
 from reshard.formats.zarr.format import ZarrWriter, write_metadata
 from reshard.formats.zarr.chunks import compress as zstd
@@ -64,10 +65,10 @@ def _put_chunk(store: RemoteStore, key: str, layout: FileLayout, full: int, plan
     return full
 
 
-def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, *, max_memory: int,
-              overwrite: bool = False, workers: int | None = None) -> int:
+def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, options: ConvertOptions) -> int:
     """Write ``plan`` (laid out by ``writer``) as a zarr store at ``url``; returns bytes put.
     Memory: each worker holds one slab (raw) or one chunk and its zstd form (compressed)."""
+    max_memory, overwrite, workers = options.budget, options.overwrite, options.workers
     store = RemoteStore(url)
     if store.size(ZARR_JSON) is not None or store.listing(""):
         if not overwrite:

@@ -42,6 +42,9 @@ def test_a_format_is_one_module_and_one_registry_line(toy_registered, fsdp2_dcp,
     for name, value in theirs.items():
         assert torch.equal(value, model[name.removeprefix("model.")]), name
     assert main(["convert", str(out), "--dry-run", "--quiet"]) == 0  # a default name beside it
+    capsys.readouterr()  # an option its entry does not declare is refused, naming who takes it
+    assert main(["convert", str(fsdp2_dcp[0]), str(tmp_path / "c.toy"), "--compress", "--quiet"]) == 2
+    assert "--compress applies to zarr outputs, not toy" in capsys.readouterr().err
     (tmp_path / "junk").mkdir()
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "junk")]) == 2

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from reshard.boxes import full_box
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.dtypes import dtype_name, parse_dtype
 from reshard.errors import CorruptCheckpointError
+from reshard.options import ConvertOptions
 from reshard.pieces import FileLayout, Piece
 from reshard.regions import StoredRegion
 
@@ -35,8 +35,8 @@ class ToyFormat:
             catalog.tensors[name] = TensorEntry(name, shape, dtype, [Chunk(full_box(shape), region)])
         return catalog
 
-    def writer(self, dst: Path, **options: Any) -> ToyWriter:
-        return ToyWriter()
+    def writer(self, dst: Path, options: ConvertOptions | None = None) -> ToyWriter:
+        return ToyWriter()  # no format-specific options: its registry entry declares none
 
 
 class ToyWriter:

@@ -1,0 +1,77 @@
+"""Every option of a conversion, in one frozen value built once (by the CLI from its flags, by
+``reshard.convert`` from its keyword arguments) and handed down: the planning stages, the
+engine and each format's writer read the fields they need from it.
+
+Which options a format's writer uses beyond the common ones is declared in its registry entry
+(``FormatEntry.options``); asking another format for one is refused, naming the formats
+that take it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from reshard.errors import UsageError, option
+from reshard.sizes import parse_size
+
+__all__ = ["ConvertOptions", "FORMAT_OPTIONS"]
+
+# Options only some formats' writers use: name -> (CLI flag, API argument).
+FORMAT_OPTIONS = {
+    "max_shard_size": ("--max-shard-size", "max_shard_size="),
+    "compress": ("--compress", "compress=True"),
+    "hf_assets": ("--hf-assets", "hf_assets="),
+    "weights_only": ("--weights-only", "weights_only=True"),
+}
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    to: str | None = None  # output format; default from DST's suffix, else dcp
+    mesh: str | None = None  # "8", "4x8", "dp_shard=4,tp=2": lay the output out for this mesh
+    placements: str | None = None  # fsdp, hsdp, fsdp+tp or a PLAN.json (with mesh)
+    dtype: Any = None  # cast floating-point tensors (str or torch.dtype); never integer state
+    only: str | None = None  # "model", "optim" or a name prefix
+    exclude: str | tuple[str, ...] | list[str] | None = None  # globs of names to leave out
+    keymap: Any = None  # a preset name, a JSON path or dict, or a map
+    layout: str | None = None  # the convention the names follow, when detection is wrong
+    config: str | os.PathLike | None = None  # the model's config.json / HF folder / repo id
+    hf_assets: str | os.PathLike | None = None  # tokenizer and friends for to="hf"
+    weights_only: bool = False  # to="hf" without config.json
+    max_memory: str | int = "1GiB"  # the budget for tensor data in flight
+    max_shard_size: str | int | None = None  # largest output file (safetensors, hf, zarr)
+    compress: bool = False  # zstd zarr chunks
+    keep_per_rank: bool = False  # carry per-rank state onto another rank count as it is
+    overwrite: bool = False  # replace an existing output
+    quiet: bool = False  # no progress
+    workers: int | None = None  # copy threads (default: up to 4)
+    fsync: bool = False  # durable against power loss when it appears
+    dry_run: bool = False  # plan and check everything, write nothing
+
+    @classmethod
+    def of(cls, given: dict[str, Any]) -> ConvertOptions:
+        """From keyword arguments; an unknown name is a usage error that lists the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise UsageError(f"unknown conversion option {unknown[0]!r}; the options are {', '.join(sorted(known))}")
+        return cls(**given)
+
+    @property
+    def budget(self) -> int:
+        return parse_size(self.max_memory)
+
+    @property
+    def shard_bytes(self) -> int | None:
+        return parse_size(self.max_shard_size) if self.max_shard_size is not None else None
+
+    def format_options_set(self) -> list[str]:
+        """The format-specific options this conversion asks for."""
+        return [name for name in FORMAT_OPTIONS if getattr(self, name) not in (None, False)]
+
+
+def named(name: str) -> str:
+    """A format-specific option as the caller wrote it."""
+    return option(*FORMAT_OPTIONS[name])
