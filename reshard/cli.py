@@ -39,18 +39,25 @@ class _Command(TyperCommand):
     def format_help(self, ctx: Any, formatter: Any) -> None:
         """Option help that lists formats or key maps says what the registry and the presets
         hold now (``{write_formats}``, ``{keymap_presets}``)."""
-        from reshard.formats.registry import write_names
+        import re
+
+        from reshard.formats.registry import taking, write_names
         from reshard.keymap.presets import PRESET_NAMES
 
         values = {"{write_formats}": ", ".join(write_names()), "{keymap_presets}": ", ".join(PRESET_NAMES)}
         for param in self.params:
             template = getattr(param, "_help_template", None) or getattr(param, "help", None) or ""
-            if any(key in template for key in values):
+            if "{" in template:
                 param._help_template = template  # type: ignore[attr-defined]
                 for key, value in values.items():
                     template = template.replace(key, value)
-                param.help = template  # type: ignore[attr-defined]
+                # {takes:OPTION}: the formats whose registry entries take a format-specific option
+                param.help = re.sub(r"\{takes:(\w+)\}", lambda m: _either(taking(m[1])), template)  # type: ignore[attr-defined]
         super().format_help(ctx, formatter)
+
+
+def _either(names: list[str]) -> str:
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else "".join(names)
 
 
 app = typer.Typer(
@@ -209,14 +216,14 @@ def convert(
     layout: LayoutOption = None,
     keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename tensors: {keymap_presets}, or a MAP.json.")] = None,
     config: Annotated[Optional[str], typer.Option("--config", help="The model's config: a config.json, an HF folder or a Hub repo id (head counts for key maps; config.json of --to hf).")] = None,
-    hf_assets: Annotated[Optional[str], typer.Option("--hf-assets", help="With --to hf: copy the tokenizer, chat template and generation config of this folder or Hub repo id.")] = None,
-    weights_only: Annotated[bool, typer.Option("--weights-only", help="With --to hf: write the safetensors only, without config.json (not loadable by from_pretrained as is).")] = False,
+    hf_assets: Annotated[Optional[str], typer.Option("--hf-assets", help="With --to {takes:hf_assets}: copy the tokenizer, chat template and generation config of this folder or Hub repo id.")] = None,
+    weights_only: Annotated[bool, typer.Option("--weights-only", help="With --to {takes:weights_only}: write the safetensors only, without config.json (not loadable by from_pretrained as is).")] = False,
     max_memory: MaxMemory = "1GiB",
-    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest file of a safetensors, hf or zarr output (HF-style shards: default 5GB for hf).")] = None,
+    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest file of an output ({takes:max_shard_size}; HF-style shards: default 5GB for hf).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and check everything, print what would be written, write nothing.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists (only once the new output is complete).")] = False,
     fsync: Annotated[bool, typer.Option("--fsync", help="Sync the output to disk before it appears (durable across power loss; slower).")] = False,
-    compress: Annotated[bool, typer.Option("--compress", help="zstd-compress zarr chunks (smaller, slower; default off).")] = False,
+    compress: Annotated[bool, typer.Option("--compress", help="zstd-compress the chunks of a {takes:compress} output (smaller, slower; default off).")] = False,
     allow_class: AllowClass = None,
     as_json: AsJson = False,
     quiet: Quiet = False,

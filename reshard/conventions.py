@@ -352,7 +352,7 @@ def _detect(catalog: Catalog, override: str | None, refuse_ambiguous: bool) -> L
     choice = override or catalog.attrs.get("layout")
     if choice is not None:
         if choice not in _BY_NAME:
-            raise UsageError(f"--layout {choice!r} is not one of: {', '.join(_BY_NAME)}")
+            raise UsageError(f"{option(f'--layout {choice!r}', f'layout={choice!r}')} is not one of: {', '.join(_BY_NAME)}")
         c = _BY_NAME[choice]
         how = _GIVEN if override or catalog.attrs.get("layout_given") else _RECORDED
         return Layout(c, tensors + objects, _groups_style(c, objects), reason=how)

@@ -18,7 +18,7 @@ from reshard.boxes import Box, full_box
 from reshard.catalog import (Catalog, Chunk, IndexedTensorEntry, NestedPath, ObjectTable, Target, TargetTensor, TensorEntry,
                              object_loader, pick_objects)
 from reshard.conventions import PARAM, Layout, detect_layout
-from reshard.errors import UsageError
+from reshard.errors import UsageError, option
 from reshard.pieces import FileLayout, Piece
 from reshard.structure import CONTAINERS_ATTR
 
@@ -91,7 +91,7 @@ def select(catalog: Catalog, only: str | None, layout: Layout | None = None) -> 
         tensors = [n for n in tensors if layout.in_section(n, only)]
         objects = [n for n in objects if layout.in_section(n, only)]
         if not tensors and not objects:
-            raise UsageError(f"--only {only!r} matches nothing in {catalog.path} (layout {layout.name}); "
+            raise UsageError(f"{option(f'--only {only!r}', f'only={only!r}')} matches nothing in {catalog.path} (layout {layout.name}); "
                              "try `reshard inspect` for names")
     return tensors, objects
 
@@ -159,7 +159,8 @@ def model_section(catalog: Catalog, layout: Layout) -> Catalog:
     model`` into a file that ``model.load_state_dict`` should take as it is."""
     names = {n: p for n in (*catalog.tensors, *catalog.objects) if (p := layout.place(n)).role == PARAM and p.fqn}
     if not names:
-        raise UsageError(f"--only model: {catalog.path} holds no model tensors (layout {layout.name})")
+        asked = option("--only model", "only='model'")
+        raise UsageError(f"{asked}: {catalog.path} holds no model tensors (layout {layout.name})")
     heads = {catalog.nested_path(n)[0] for n, p in names.items() if p.prefix}
 
     def path(name: str) -> NestedPath:

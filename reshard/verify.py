@@ -22,7 +22,7 @@ from reshard.boxes import c_order_slabs, full_box
 from reshard.catalog import Catalog, TensorEntry
 from reshard.dtypes import dtype_name
 from reshard.engine import assemble
-from reshard.errors import UsageError
+from reshard.errors import UsageError, option
 from reshard.plan import sources_for
 from reshard.progress import Progress
 from reshard.provenance import carry_hf_configs, hf_configs
@@ -204,7 +204,7 @@ def _part(catalog: Catalog, only: str) -> Catalog:
 
 def _check_tolerance(value: float | None, name: str) -> None:
     if value is not None and not (value >= 0 and math.isfinite(value)):
-        raise UsageError(f"--{name} {value}: a tolerance must be a finite number >= 0")
+        raise UsageError(f"{option(f'--{name} {value}', f'{name}={value!r}')}: a tolerance must be a finite number >= 0")
 
 
 def verify(

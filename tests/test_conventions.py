@@ -74,7 +74,7 @@ def test_roles_and_overrides() -> None:
     verl = _catalog(*CASES["reshard"], layout="verl")
     assert detect_layout(verl).name == "verl"
     assert detect_layout(verl, "model").name == "model"
-    with pytest.raises(UsageError, match="--layout 'nope' is not one of"):
+    with pytest.raises(UsageError, match="layout='nope' is not one of"):
         detect_layout(verl, "nope")
 
 

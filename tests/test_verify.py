@@ -76,7 +76,7 @@ def test_tolerance_compares_complex_by_parts_and_casts_by_value(tmp_path: Path) 
     diff = reshard.verify(a, b, atol=1e-3).differences
     assert [(d.name, d.detail) for d in diff] == [("c", "1 of 2 elements differ (max abs diff 0.00999999, max rel diff 0.00276711)")]
     assert reshard.verify(a, b, atol=0.02).within_tolerance
-    with pytest.raises(UsageError, match="--atol -1.0: a tolerance must be a finite number >= 0"):
+    with pytest.raises(UsageError, match="atol=-1.0: a tolerance must be a finite number >= 0"):
         reshard.verify(a, b, atol=-1.0)
     assert main(["verify", str(a), str(b), "--rtol", "nan"]) == 2
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from reshard.errors import UsageError
+from reshard.errors import UsageError, option
 from reshard.keymap.maps import FamilyKeyMap, KeyMap, hf_to_titan, hf_unfuse, keymap_from_json, titan_to_hf
 from reshard.keymap.megatron import megatron_to_hf
 from reshard.keymap.presets import WRAPPERS
@@ -38,7 +38,7 @@ def load_keymap(spec: str | Path | dict | KeyMap | FamilyKeyMap) -> KeyMap | Fam
         return PRESETS[str(spec)]()
     path = Path(spec)
     if not path.is_file():
-        raise UsageError(f"--keymap {spec}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+        raise UsageError(f"{option(f'--keymap {spec}', f'keymap={spec!r}')}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.conventions import Layout
-from reshard.errors import UsageError
+from reshard.errors import UsageError, option
 from reshard.mesh.layout import (
     REPLICATE,
     MeshSpec,
@@ -83,18 +83,22 @@ def _tp_preset(mesh: MeshSpec) -> PlacementPlan:
 
 
 
+def _named(preset: str) -> str:
+    return option(f"--placements {preset}", f"placements={preset!r}")
+
+
 def _preset(name: str, mesh: MeshSpec) -> PlacementPlan:
     if name == "fsdp":
         if mesh.ndim != 1:
-            raise UsageError(f"--placements fsdp needs a 1-D mesh, got {mesh}; use hsdp or a PLAN.json")
+            raise UsageError(f"{_named('fsdp')} needs a 1-D mesh, got {mesh}; use hsdp or a PLAN.json")
         return PlacementPlan("fsdp", (), (_S0,))
     if name == "hsdp":
         if mesh.ndim != 2:
-            raise UsageError(f"--placements hsdp needs a 2-D mesh (replicate x shard), got {mesh}")
+            raise UsageError(f"{_named('hsdp')} needs a 2-D mesh (replicate x shard), got {mesh}")
         return PlacementPlan("hsdp", (), (_R, _S0))
     if name == "fsdp+tp":
         if mesh.ndim not in (2, 3):
-            raise UsageError(f"--placements fsdp+tp needs a 2-D mesh (dp_shard x tp) or dp_replicate x dp_shard x tp, "
+            raise UsageError(f"{_named('fsdp+tp')} needs a 2-D mesh (dp_shard x tp) or dp_replicate x dp_shard x tp, "
                              f"got {mesh}")
         return _tp_preset(mesh)
     raise UsageError(f"unknown placements {name!r}: use fsdp, hsdp, fsdp+tp or a PLAN.json file")
