@@ -19,7 +19,7 @@ from reshard.boxes import Box
 from reshard.sizes import format_size
 
 if TYPE_CHECKING:
-    from reshard.mesh.layout import MeshSpec, Placement
+    from reshard.mesh.sharding import MeshSpec, Placement
 
 __all__ = ["ChunkData", "Chunk", "TensorEntry", "IndexedTensorEntry", "Catalog", "NestedPath", "ObjectTable", "object_loader", "pick_objects",
            "TargetTensor", "Target"]

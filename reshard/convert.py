@@ -16,10 +16,10 @@ from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError, option
 from reshard.protocol import Writer
-from reshard.pieces import FileLayout
+from reshard.pieces import OutputFile
 from reshard.formats.registry import FORMATS, default_suffix, format_for_destination, format_options, get_format, taking
 from reshard.options import ConvertOptions, named
-from reshard.mesh.layout import MeshSpec, parse_mesh
+from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
 from reshard.parallel import Workers, current_workers, split_files
 from reshard.mesh.placements import load_placement_plan
@@ -327,7 +327,7 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     return catalog, _MESH_FORMATS[to], target, spec
 
 
-def write_output(plan: Plan, writer: Writer, target: Target, files: list[FileLayout], dst: Path,
+def write_output(plan: Plan, writer: Writer, target: Target, files: list[OutputFile], dst: Path,
                  before: dict[Path, tuple[int, int]], group: Workers | None, opts: ConvertOptions, *,
                  sources: tuple[Path, ...], label: str) -> EngineStats:
     """Stage, write and commit a local output; under torchrun each rank writes its share of

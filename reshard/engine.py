@@ -33,7 +33,7 @@ import torch
 from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.catalog import ChunkData
 from reshard.errors import CorruptCheckpointError, UsageError, option
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool
@@ -196,7 +196,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _write_literals(fd: int, f: FileLayout) -> None:
+def _write_literals(fd: int, f: OutputFile) -> None:
     """The file's literal bytes (headers, pickles), adjacent ones joined into one write."""
     run: list[bytes] = []
     start = at = 0
@@ -226,7 +226,7 @@ def _check_free_space(root: Path, need: int) -> None:
                                     f"{format_size(free)} is free", str(root))
 
 
-def _create(path: Path, f: FileLayout) -> None:
+def _create(path: Path, f: OutputFile) -> None:
     """The file at its full size, literal bytes in place; pieces are written into it later."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import Any
 
 from reshard.errors import ReshardError, UsageError
-from reshard.pieces import FileLayout
+from reshard.pieces import OutputFile
 
 __all__ = ["Workers", "current_workers", "torchrun_group", "split_files"]
 
@@ -101,7 +101,7 @@ def torchrun_group(timeout_s: float = 1800.0) -> Iterator[int]:
         dist.destroy_process_group()
 
 
-def split_files(files: list[FileLayout], world_size: int) -> list[list[int]]:
+def split_files(files: list[OutputFile], world_size: int) -> list[list[int]]:
     """File indices per rank, balanced by bytes (largest first onto the least loaded rank);
     deterministic, so every rank computes the same split."""
     shares: list[list[int]] = [[] for _ in range(world_size)]

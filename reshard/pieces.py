@@ -14,7 +14,7 @@ import torch
 
 from reshard.boxes import Box
 
-__all__ = ["Piece", "FileLayout", "Segment", "segment_size"]
+__all__ = ["Piece", "OutputFile", "Segment", "segment_size"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def segment_size(seg: Segment) -> int:
 
 
 @dataclass
-class FileLayout:
+class OutputFile:
     """One output file: ``relpath`` inside the output (``""`` when the output is this file)."""
 
     relpath: str

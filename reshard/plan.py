@@ -19,7 +19,7 @@ from reshard.catalog import (Catalog, Chunk, IndexedTensorEntry, NestedPath, Obj
                              object_loader, pick_objects)
 from reshard.conventions import PARAM, Layout, detect_layout
 from reshard.errors import UsageError, option
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.structure import CONTAINERS_ATTR
 
 __all__ = ["Plan", "PieceSources", "Source", "Casting", "full_target", "make_plan", "model_section", "select", "sources_for"]
@@ -62,7 +62,7 @@ class PieceSources(Mapping[Piece, list[Source]]):
 
 @dataclass
 class Plan:
-    files: list[FileLayout]
+    files: list[OutputFile]
     sources: PieceSources
 
     @property
@@ -74,7 +74,7 @@ class Plan:
         files = [self.files[i] for i in indices]
         return Plan(files, self.sources.subset(seg for f in files for seg in f.segments if isinstance(seg, Piece)))
 
-    def pieces(self) -> Iterable[tuple[FileLayout, int, Piece]]:
+    def pieces(self) -> Iterable[tuple[OutputFile, int, Piece]]:
         """(file, byte offset in file, piece) for every piece, in file order."""
         for f in self.files:
             for off, seg in zip(f.offsets(), f.segments):
@@ -197,7 +197,7 @@ def sources_for(entry: TensorEntry, box: Box) -> list[Source]:
     return out
 
 
-def make_plan(catalog: Catalog, files: list[FileLayout]) -> Plan:
+def make_plan(catalog: Catalog, files: list[OutputFile]) -> Plan:
     """The plan for the writer's ``files``, every piece checked to be covered by stored chunks
     before anything is written."""
     pieces = [seg for f in files for seg in f.segments if isinstance(seg, Piece)]

@@ -9,7 +9,7 @@ Lifecycle of a conversion, and who calls what:
 3. The engine builds a ``Target`` (what the output holds: names, shapes, dtypes, boxes per
    target rank, objects) and asks ``fmt.writer(dst, options)`` for a ``Writer``; it reads the
    ``ConvertOptions`` its registry entry declares, and ignores the rest.
-4. ``writer.layout(target)`` returns the output files as ``FileLayout``s: literal header
+4. ``writer.layout(target)`` returns the output files as ``OutputFile``s: literal header
    bytes and ``Piece``s in file order. Everything a format needs to say about sizes and
    offsets is computable here, before data moves.
 5. The engine writes every file into a staging location, streaming each Piece's bytes.
@@ -26,7 +26,7 @@ from typing import Protocol
 
 from reshard.catalog import Catalog, Target
 from reshard.options import ConvertOptions
-from reshard.pieces import FileLayout
+from reshard.pieces import OutputFile
 
 __all__ = ["Format", "Writer"]
 
@@ -38,9 +38,9 @@ class Writer(Protocol):
     # chunks), so digests taken before it are stale.
     finish_rewrites_data: bool
 
-    def layout(self, target: Target) -> list[FileLayout]: ...
+    def layout(self, target: Target) -> list[OutputFile]: ...
 
-    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None: ...
+    def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None: ...
 
     def notices(self, target: Target) -> list[str]:
         """What this output cannot hold (objects dropped...), said to the user once."""

@@ -7,7 +7,7 @@ import torch
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.engine import Engine
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.plan import full_target, make_plan
 from reshard.regions import StoredRegion
 
@@ -28,7 +28,7 @@ def _sharded_catalog(tmp_path: Path, t: torch.Tensor, rows: list[int], name: str
 
 
 def _run(cat: Catalog, pieces: list[Piece], out: Path, budget: int, workers: int = 2):
-    files = [FileLayout("f.bin", [b"HEADER", *pieces, b"TAIL"])]
+    files = [OutputFile("f.bin", [b"HEADER", *pieces, b"TAIL"])]
     plan = make_plan(cat, files)
     stats = Engine(budget, workers=workers, progress=False).run(plan, out, True)
     data = (out / "f.bin").read_bytes()
@@ -76,8 +76,8 @@ def test_digests_are_taken_as_each_file_is_finished(tmp_path: Path) -> None:
     t = torch.randn(40, 5)
     cat = _sharded_catalog(tmp_path, t, [13, 13, 14])
     rows = [Box((0, 0), (20, 5)), Box((20, 0), (20, 5))]
-    files = [FileLayout("a.bin", [b"A", Piece("w", rows[0], t.dtype)]), FileLayout("meta.txt", [b"only literals"]),
-             FileLayout("sub/b.bin", [Piece("w", rows[1], t.dtype), b"B"])]
+    files = [OutputFile("a.bin", [b"A", Piece("w", rows[0], t.dtype)]), OutputFile("meta.txt", [b"only literals"]),
+             OutputFile("sub/b.bin", [Piece("w", rows[1], t.dtype), b"B"])]
     plain, hashed = tmp_path / "plain", tmp_path / "hashed"
     plain.mkdir(), hashed.mkdir()
     Engine(1 << 20, workers=2, progress=False).run(make_plan(cat, files), plain, True)
@@ -143,9 +143,9 @@ def test_slabs_are_read_into_each_workers_reused_buffer(tmp_path: Path, monkeypa
     monkeypatch.setattr(regions, "_read_tensor", lambda fd, n, off, path: fresh.append(n) or real_read(fd, n, off, path))
     t = torch.randn(37, 101)
     cat = _sharded_catalog(tmp_path, t, [13, 13, 11])
-    files = [FileLayout(f"c{i}.bin", [Piece("w", Box((0, c), (37, n)), torch.float32)])
+    files = [OutputFile(f"c{i}.bin", [Piece("w", Box((0, c), (37, n)), torch.float32)])
              for i, (c, n) in enumerate([(0, 50), (50, 51)])]
-    files += [FileLayout("rows.bin", [Piece("w", Box((2, 0), (30, 101)), torch.float32),
+    files += [OutputFile("rows.bin", [Piece("w", Box((2, 0), (30, 101)), torch.float32),
                                       Piece("w", Box((12, 0), (2, 101)), torch.float32)])]
     out = tmp_path / "out"
     out.mkdir()
@@ -192,9 +192,9 @@ def test_column_shards_of_one_tensor_read_their_rows_once(tmp_path: Path, monkey
     cat = _sharded_catalog(tmp_path, t, [13, 13, 11])
     for dtype in (torch.float32, torch.bfloat16):
         cols = [(0, 34), (34, 34), (68, 33), (101, 0)]
-        files = [FileLayout(f"r{i}.bin", [b"H", Piece("w", Box((0, c), (37, n)), dtype), b"T"]) for i, (c, n) in enumerate(cols)]
-        files.append(FileLayout("twice.bin", [Piece("w", Box((5, 10), (20, 30)), dtype)] * 2))
-        files.append(FileLayout("rows.bin", [Piece("w", Box((5, 40), (20, 61)), dtype)]))
+        files = [OutputFile(f"r{i}.bin", [b"H", Piece("w", Box((0, c), (37, n)), dtype), b"T"]) for i, (c, n) in enumerate(cols)]
+        files.append(OutputFile("twice.bin", [Piece("w", Box((5, 10), (20, 30)), dtype)] * 2))
+        files.append(OutputFile("rows.bin", [Piece("w", Box((5, 40), (20, 61)), dtype)]))
         out = tmp_path / f"out_{dtype}"
         out.mkdir()
         read.clear()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import reshard
-from reshard.mesh.layout import parse_mesh, parse_placement, rank_coordinate, shard_box
+from reshard.mesh.sharding import parse_mesh, parse_placement, rank_coordinate, shard_box
 from tests.dist import run_world
 
 # Shapes x placements x meshes DTensor must agree with us on: uneven dims, dims smaller

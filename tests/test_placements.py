@@ -11,7 +11,7 @@ import torch
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import UsageError
-from reshard.mesh.layout import REPLICATE, distinct_boxes, local_boxes, parse_mesh, parse_placement, shard
+from reshard.mesh.sharding import REPLICATE, distinct_boxes, local_boxes, parse_mesh, parse_placement, shard
 from reshard.mesh.target import mesh_target, per_rank_names, uneven_dims
 from reshard.conventions import detect_layout
 from reshard.mesh.placements import assign_placements, load_placement_plan

@@ -8,7 +8,7 @@ import torch
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import UsageError
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.plan import full_target, make_plan
 
 
@@ -40,9 +40,9 @@ def test_full_target_casts_floats_only_and_selects_sections() -> None:
 def test_plan_pairs_each_piece_with_overlapping_chunks() -> None:
     cat = _catalog()
     piece = Piece("model.w", Box((2, 0), (2, 2)), torch.float32)
-    plan = make_plan(cat, [FileLayout("f", [b"h", piece])])
+    plan = make_plan(cat, [OutputFile("f", [b"h", piece])])
     assert [s.box for s in plan.sources[piece]] == [Box((2, 0), (1, 2)), Box((3, 0), (1, 2))]
     assert plan.total_bytes == 16
     cat.tensors["model.w"].chunks.pop()  # a hole: the plan refuses before any byte moves
     with pytest.raises(UsageError, match="covered"):
-        make_plan(cat, [FileLayout("f", [piece])])
+        make_plan(cat, [OutputFile("f", [piece])])

@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint directories: ``.metadata`` plus ``__{rank}_{n}.distcp`` files.
 
 Reading: ``.metadata`` (or, saved with ``use_collectives=False``, every ``__{rank}.metadata``
-merged: ``dcp.ranks``) is loaded without trusting it (``dcp_metadata``), then every record is
+merged: ``dcp.ranks``) is loaded without trusting it (``dcp.metadata``), then every record is
 placed and checked (``dcp_records``): a torch.save zip, whose payload record is raw bytes we
 read or kernel-copy directly; a zstd frame around one (``dcp_zstd``, decompressed as a stream
 on read); or a tensor of the safetensors blob torch writes with
@@ -32,7 +32,7 @@ from reshard.formats.dcp.metadata_write import ChunkRecord, TensorRecord, metada
 from reshard.formats.dcp.ranks import CheckedCopies, rank_metadata_files, same_bytes
 from reshard.formats.dcp.records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record
 from reshard.formats.dcp.zstd import ZstdChunk, load_zstd_object
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.formats.torch.zip import load_object_blob, read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
 from reshard.regions import StoredRegion
@@ -219,8 +219,8 @@ class DCPWriter:
         self._records: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
         self._blobs: dict[tuple[torch.dtype, tuple[int, ...]], tuple[list, int]] = {}
 
-    def layout(self, target: Target) -> list[FileLayout]:
-        files = [FileLayout(f"__{r}_0.distcp") for r in range(target.world_size)]
+    def layout(self, target: Target) -> list[OutputFile]:
+        files = [OutputFile(f"__{r}_0.distcp") for r in range(target.world_size)]
         sizes = [0] * target.world_size
         self._records.clear()
 
@@ -252,7 +252,7 @@ class DCPWriter:
         segments, at = self._blobs[key]
         return [*segments[:at], piece, *segments[at + 1:]]
 
-    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+    def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         def tensor_record(name: str) -> TensorRecord:
             t = target.tensors[name]
             chunks = tuple(ChunkRecord(b.offsets, b.sizes, *self._records[(name, b.offsets)]) for b in t.boxes)

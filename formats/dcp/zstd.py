@@ -190,7 +190,7 @@ class _ArchiveIndex(ZipIndex):
 
 
 class _ArchiveReader(_TorchZipReader):
-    """torch_zip's reader over a decompressed archive: the same allow-list unpickler and
+    """``torch.zip``'s reader over a decompressed archive: the same allow-list unpickler and
     checks; the regions it returns are offsets inside the archive, not the file."""
 
     def __init__(self, archive: _Archive) -> None:

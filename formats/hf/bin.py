@@ -1,7 +1,7 @@
 """Hugging Face model folders whose weights are torch.save files: ``pytorch_model.bin``, or
 shards (``pytorch_model-00001-of-00002.bin``) listed by ``pytorch_model.bin.index.json``, as
 ``save_pretrained(..., safe_serialization=False)`` writes them and as most models on the Hub
-from before safetensors are stored (zip or pre-1.6 legacy files alike: ``torch_save``).
+from before safetensors are stored (zip or pre-1.6 legacy files alike: ``torch.file``).
 
 The index is checked like a safetensors index (``formats/safetensors/format.py``, whose checks this
 module reuses): file names stay inside the folder, every tensor the index maps to a file is

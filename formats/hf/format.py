@@ -31,7 +31,7 @@ from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_
 from reshard.errors import UsageError
 from reshard.formats.hf.files import (ASSET_FILES, find_assets, generation_config, llama_config, model_card, with_dtype,
                                       write_json, written_dtype)
-from reshard.pieces import FileLayout
+from reshard.pieces import OutputFile
 from reshard.formats.safetensors.format import SafetensorsFormat, SafetensorsWriter
 from reshard.keymap.lookup import load_keymap
 from reshard.keymap.maps import titan_family
@@ -173,12 +173,12 @@ class HFWriter(SafetensorsWriter):
         super().__init__(dst, max_shard_size=max_shard_size or parse_size(_HUB_SHARD_SIZE))
         self.dst = Path(dst)
 
-    def layout(self, target: Target) -> list[FileLayout]:
+    def layout(self, target: Target) -> list[OutputFile]:
         if "hf_source" not in target.attrs:
             raise UsageError("--to hf output must be prepared by reshard.formats.hf.format.export_catalog (use reshard.convert)")
         return super().layout(target)
 
-    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+    def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         if len(files) > 1:  # like save_pretrained: an index only when there are several shards
             super().finish(staging, target, files)
         config, gen = target.attrs.get("hf_config"), target.attrs.get("hf_generation_config")

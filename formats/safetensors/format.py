@@ -1,7 +1,7 @@
 """safetensors files and Hugging Face sharded folders (``model-00001-of-00003.safetensors`` +
 ``model.safetensors.index.json``).
 
-Reading validates every header (see ``safetensors_header``) and every index entry before
+Reading validates every header (see ``safetensors.header``) and every index entry before
 trusting it, then hands out one ``StoredRegion`` per tensor: nothing is mmap'd and no tensor
 byte is read until the engine asks for a box. Objects and nested paths that reshard wrote
 come back from ``__metadata__``; other metadata and a folder's ``config.json`` /
@@ -27,7 +27,7 @@ from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, NestedPath, Target
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from reshard.formats.dcp.safetensors import DCP_KEYS, assemble, shard_boxes
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.formats.safetensors.header import (
     MAX_HEADER_SIZE,
     Unencodable,
@@ -277,7 +277,7 @@ class SafetensorsWriter:
             meta[CONTAINERS_KEY] = json.dumps(containers_to_json(containers), separators=(",", ":"))
         return meta
 
-    def layout(self, target: Target) -> list[FileLayout]:
+    def layout(self, target: Target) -> list[OutputFile]:
         for t in target.tensors.values():
             if len(t.boxes) != 1 or t.boxes[0] != full_box(t.shape):
                 raise UsageError(
@@ -298,10 +298,10 @@ class SafetensorsWriter:
                     f"{relpath or 'output'}: header of {len(head) - 8} bytes passes safetensors' limit "
                     f"of {MAX_HEADER_SIZE}; use a smaller max_shard_size"
                 )
-            files.append(FileLayout(relpath, [head] + [Piece(t.name, t.boxes[0], t.dtype) for t in tensors]))
+            files.append(OutputFile(relpath, [head] + [Piece(t.name, t.boxes[0], t.dtype) for t in tensors]))
         return files
 
-    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+    def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         """The index, written last (as the engine commits), in huggingface_hub's form."""
         if not self.output_is_dir or not target.tensors or (len(files) == 1 and self.max_shard_size is None):
             return  # an index without tensors would hide the lone file (and its objects) from readers

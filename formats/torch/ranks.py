@@ -40,7 +40,7 @@ from reshard.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from reshard.mesh.layout import Placement, shard_box
+from reshard.mesh.sharding import Placement, shard_box
 from reshard.regions import StoredRegion
 from reshard.values import same_value, tensor_digest
 

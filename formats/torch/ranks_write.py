@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.formats.torch.save import (
     CONTAINERS_ATTR,
     FlatTree,
@@ -28,7 +28,7 @@ from reshard.formats.torch.zip_write import PieceRef, torch_save_segments
 from reshard.boxes import Box, tiles_exactly
 from reshard.catalog import Catalog, Chunk, ObjectTable, Target, TensorEntry
 from reshard.errors import CorruptCheckpointError, UsageError
-from reshard.mesh.layout import format_placement, parse_placement, rank_coordinate, shard_box
+from reshard.mesh.sharding import format_placement, parse_placement, rank_coordinate, shard_box
 from reshard.regions import StoredRegion
 
 __all__ = ["LAYOUT_KEY", "TorchRanksWriter", "read_layout_files"]
@@ -42,7 +42,7 @@ class TorchRanksWriter:
     output_is_dir = True
     finish_rewrites_data = False
 
-    def layout(self, target: Target) -> list[FileLayout]:
+    def layout(self, target: Target) -> list[OutputFile]:
         if target.mesh is None:
             raise UsageError("per-rank torch files need a mesh: add --to-mesh N (or write --to torch for one file)")
         files = []
@@ -65,10 +65,10 @@ class TorchRanksWriter:
             names = sorted(leaves, key=lambda n: order.get(n, len(order)))
             nested = [(target.nested_path(n), leaves[n]) for n in names] + [((LAYOUT_KEY,), json.dumps(record))]
             tree = build_tree(nested, target.attrs.get(CONTAINERS_ATTR))
-            files.append(FileLayout(f"rank{rank}.pt", torch_save_segments(tree, records, archive=f"rank{rank}")))
+            files.append(OutputFile(f"rank{rank}.pt", torch_save_segments(tree, records, archive=f"rank{rank}")))
         return files
 
-    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+    def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         """Nothing comes last: each rank's archive is complete once written."""
 
     def notices(self, target: Target) -> list[str]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.pieces import FileLayout, Piece, Segment
+from reshard.pieces import OutputFile, Piece, Segment
 from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.zip import DTensorRef, Record, materialize
 from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_segments
@@ -310,7 +310,7 @@ class TorchSaveWriter:
         stem = Path(dst).stem
         self.archive = stem if _ARCHIVE_NAME.fullmatch(stem) else "archive"  # torch names it after the file
 
-    def layout(self, target: Target) -> list[FileLayout]:
+    def layout(self, target: Target) -> list[OutputFile]:
         records: dict[str, Segment] = {}
         leaves: dict[str, Any] = {}
         for t in target.tensors.values():
@@ -328,9 +328,9 @@ class TorchSaveWriter:
         rank = {name: i for i, name in enumerate(target.paths)}
         order = sorted(leaves, key=lambda n: rank.get(n, len(rank)))
         tree = build_tree(((target.nested_path(n), leaves[n]) for n in order), target.attrs.get(CONTAINERS_ATTR))
-        return [FileLayout("", torch_save_segments(tree, records, archive=self.archive))]  # type: ignore[arg-type]
+        return [OutputFile("", torch_save_segments(tree, records, archive=self.archive))]  # type: ignore[arg-type]
 
-    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+    def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         """Nothing comes last: the archive is complete once its segments are written."""
 
     def notices(self, target: Target) -> list[str]:

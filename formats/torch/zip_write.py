@@ -1,6 +1,6 @@
 """Writing torch.save's byte layout: an uncompressed zip of ``data.pkl`` and one record per
 storage, laid out as segments around payloads the engine streams in later (reading is
-``torch_zip``).
+``torch.zip``).
 
 CRC fields of streamed payloads are left 0, as torch's own
 ``serialization.config.save.compute_crc32 = False`` writes them; torch's reader does not check

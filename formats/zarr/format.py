@@ -33,7 +33,7 @@ from typing import Any
 
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from reshard.pieces import FileLayout
+from reshard.pieces import OutputFile
 from reshard.formats.safetensors.header import Unencodable, decode_value, encode_value
 from reshard.formats.torch.zip import load_object_blob
 from reshard.formats.zarr.chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress
@@ -288,11 +288,11 @@ class ZarrWriter:
     def arrays(self, target: Target) -> list[ArrayLayout]:
         return plan_arrays(target, self.codecs, self.chunk_bytes, self.chunk_cap)
 
-    def layout(self, target: Target) -> list[FileLayout]:
-        return [FileLayout(key, chunk_segments(a.name, a.meta.dtype, box, a.meta.chunk_shape))
+    def layout(self, target: Target) -> list[OutputFile]:
+        return [OutputFile(key, chunk_segments(a.name, a.meta.dtype, box, a.meta.chunk_shape))
                 for a in self.arrays(target) for key, box in a.chunks()]
 
-    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+    def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         arrays = self.arrays(target)
         chunks = [(staging / key, a.meta.chunk_nbytes) for a in arrays for key, _ in a.chunks()]
         with ThreadPoolExecutor(self._sealers(max((n for _, n in chunks), default=0))) as pool:

@@ -19,7 +19,7 @@ import torch
 from reshard.catalog import Target
 from reshard.errors import OutputExistsError, option
 from reshard.options import ConvertOptions
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.formats.zarr.format import ZarrWriter, write_metadata
 from reshard.formats.zarr.chunks import compress as zstd
 from reshard.formats.zarr.meta import ZARR_JSON
@@ -41,7 +41,7 @@ def _slabs(piece: Piece, sources: list, slab_bytes: int) -> Any:
         yield memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def _put_chunk(store: RemoteStore, key: str, layout: FileLayout, full: int, plan: Any, slab: int, compressed: bool) -> int:
+def _put_chunk(store: RemoteStore, key: str, layout: OutputFile, full: int, plan: Any, slab: int, compressed: bool) -> int:
     """One chunk object: streamed (multipart on object stores) when raw, whole when zstd."""
     if compressed:
         buf, at = bytearray(full), 0

@@ -1,6 +1,6 @@
 """Device meshes: what each rank of a target mesh holds.
 
-- ``layout``: mesh specs (``4x8``, ``dp_shard=4,tp=2``) and DTensor's sharding rules
+- ``sharding``: mesh specs (``4x8``, ``dp_shard=4,tp=2``) and DTensor's sharding rules
 - ``placements``: placement presets (``fsdp``, ``hsdp``, ``fsdp+tp``) and PLAN.json
 - ``target``: the output of a conversion laid out for a mesh, and the per-rank state policy
 - ``report``: ``inspect --to-mesh``, bytes per rank before anything is written
@@ -9,8 +9,8 @@
 from reshard._lazy import lazy_exports
 
 _EXPORTS = {
-    "MeshSpec": "reshard.mesh.layout",
-    "parse_mesh": "reshard.mesh.layout",
+    "MeshSpec": "reshard.mesh.sharding",
+    "parse_mesh": "reshard.mesh.sharding",
     "mesh_target": "reshard.mesh.target",
 }
 __all__ = list(_EXPORTS)

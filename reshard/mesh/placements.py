@@ -26,7 +26,7 @@ from pathlib import Path
 
 from reshard.conventions import Layout
 from reshard.errors import UsageError, option
-from reshard.mesh.layout import (
+from reshard.mesh.sharding import (
     REPLICATE,
     MeshSpec,
     Placement,

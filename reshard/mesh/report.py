@@ -97,7 +97,7 @@ def mesh_table(summary: dict[str, Any]) -> str:
 
 
 def summarize_for_mesh(catalog: Catalog, spec: str, placements: str | None) -> dict[str, Any]:
-    from reshard.mesh.layout import parse_mesh
+    from reshard.mesh.sharding import parse_mesh
     from reshard.mesh.placements import load_placement_plan
 
     mesh = parse_mesh(spec)

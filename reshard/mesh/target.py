@@ -14,7 +14,7 @@ import torch
 from reshard.catalog import Catalog, Target, TargetTensor, pick_objects
 from reshard.conventions import PER_RANK, Layout, detect_layout, is_per_rank
 from reshard.errors import option
-from reshard.mesh.layout import MeshSpec, format_placement, mesh_shards
+from reshard.mesh.sharding import MeshSpec, format_placement, mesh_shards
 from reshard.mesh.placements import PlacementPlan, assign_placements
 from reshard.plan import Casting, select
 

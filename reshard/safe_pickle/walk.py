@@ -1,6 +1,6 @@
 """Walking the values an unpickled object holds, through every container the allow-list can
 produce: dicts of any kind, lists, tuples, sets, deques, ``argparse.Namespace``, numpy object
-arrays, stand-ins (``reshard.safe_pickle.inert``) and torch_zip's records.
+arrays, stand-ins (``reshard.safe_pickle.inert``) and ``formats.torch.zip``'s records.
 
 Readers ask whether an object hides something (a refused global, a tensor still on disk);
 writers replace leaves (a tensor by its storage record). Both must see inside a stand-in's

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reshard.errors import UsageError
-from reshard.mesh.layout import MeshSpec, parse_mesh
+from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.train.checkpoint import latest_checkpoint, save_checkpoint, state_digest, train_objects
 from reshard.train.data import SyntheticTokens
 from reshard.train.model import ModelConfig, Transformer

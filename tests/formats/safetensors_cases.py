@@ -13,7 +13,7 @@ import torch
 from reshard.boxes import full_box
 from reshard.catalog import Target, TargetTensor
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 
 __all__ = ["reference", "raw_bytes", "same", "whole_target", "write_layout", "raw_file", "BROKEN"]
 
@@ -70,7 +70,7 @@ def whole_target(tensors: dict[str, torch.Tensor], objects: dict | None = None,
     )
 
 
-def write_layout(writer: Any, target: Target, dst: Path, tensors: dict[str, torch.Tensor]) -> list[FileLayout]:
+def write_layout(writer: Any, target: Target, dst: Path, tensors: dict[str, torch.Tensor]) -> list[OutputFile]:
     """What the engine does, minus budgets: every segment in order, then ``finish``."""
     files = writer.layout(target)
     if writer.output_is_dir:

@@ -18,7 +18,7 @@ from reshard.formats.torch import ranks as torch_ranks
 from reshard.formats.registry import detect_format
 from reshard.formats.torch.rank_folder import TorchRanksFormat
 from reshard.formats.torch.ranks import rank_files
-from reshard.mesh.layout import shard_box
+from reshard.mesh.sharding import shard_box
 from reshard.formats.torch.save import TorchSaveFormat, TorchSaveWriter, build_tree, flatten_tree
 from reshard.formats.torch.zip import DTensorRef, Record
 from reshard.plan import full_target

@@ -12,7 +12,7 @@ from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.dtypes import dtype_name, parse_dtype
 from reshard.errors import CorruptCheckpointError
 from reshard.options import ConvertOptions
-from reshard.pieces import FileLayout, Piece
+from reshard.pieces import OutputFile, Piece
 from reshard.regions import StoredRegion
 
 
@@ -43,13 +43,13 @@ class ToyWriter:
     output_is_dir = True
     finish_rewrites_data = False
 
-    def layout(self, target: Target) -> list[FileLayout]:
-        data = FileLayout("data.bin")
+    def layout(self, target: Target) -> list[OutputFile]:
+        data = OutputFile("data.bin")
         for t in target.tensors.values():
             data.segments.append(Piece(t.name, t.boxes[0], t.dtype))
         return [data]
 
-    def finish(self, staging: Path, target: Target, files: list[FileLayout]) -> None:
+    def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         offsets = {seg.name: at for at, seg in zip(files[0].offsets(), files[0].segments)}
         index = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offsets[name]}
                  for name, t in target.tensors.items()}
