@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-
 from reshard.catalog import Catalog, Target, pick_objects
 from reshard.conventions import detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
