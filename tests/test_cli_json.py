@@ -71,6 +71,9 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
     for argv in (["--help"], ["convert", "--help"], ["convert", "--bogus"], ["verify"]):
         proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
         assert proc.stdout.strip().splitlines()[-1].startswith("False"), (argv, proc.stdout[-200:])
+    bare = "import sys, reshard, reshard.options, reshard.formats.registry; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr[-500:]
 
 
 def test_repr_and_help_of_the_api(fsdp2_dcp) -> None:
