@@ -129,6 +129,8 @@ def _lazy_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, table: Ch
     def paths() -> set[Path]:
         return {file_paths[f] for f in np.unique(table.file[rows]).tolist()}
 
+    if len(rows) == len(table.offsets):  # no empty shards (the usual case): the columns as they are, not copies
+        return IndexedTensorEntry(name, shape, dtype, table.offsets, table.sizes, make, paths)
     return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make, paths)
 
 
