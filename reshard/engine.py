@@ -284,7 +284,7 @@ class Engine:
         and the copy it is cut from, ``_DECODE_COPIES`` times the chunk, set aside from the
         budget before slabs are sized. A chunk that leaves its worker less than that
         (``_DECODE_COPIES + 1`` chunks in all) is refused, naming the budget it needs."""
-        whole = max((getattr(s.chunk.data, "decoded_bytes", 0) for srcs in plan.sources.values() for s in srcs), default=0)
+        whole = plan.decoded_chunk_bytes
         if not whole:
             return self.workers, self.max_memory
         need = (_DECODE_COPIES + 1) * whole

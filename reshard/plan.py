@@ -59,11 +59,21 @@ class PieceSources(Mapping[Piece, list[Source]]):
     def subset(self, pieces: Iterable[Piece]) -> PieceSources:
         return PieceSources(self._tensors, (p for p in pieces if p in self._pieces))
 
+    def largest_decoded_chunk(self) -> int:
+        """Bytes of the largest source chunk these pieces read that is decoded whole
+        (compressed zarr), 0 when none is."""
+        return max((_decoded_bytes(s) for piece in self for s in self[piece]), default=0)
+
+
+def _decoded_bytes(source: Source) -> int:
+    return getattr(source.chunk.data, "decoded_bytes", 0)
+
 
 @dataclass
 class Plan:
     files: list[OutputFile]
     sources: PieceSources
+    decoded_chunk_bytes: int = 0  # the largest source chunk decoded whole (compressed zarr), 0 if none
 
     @property
     def total_bytes(self) -> int:
@@ -72,7 +82,8 @@ class Plan:
     def subset(self, indices: list[int]) -> Plan:
         """The plan for some of the files only (one rank's share under torchrun)."""
         files = [self.files[i] for i in indices]
-        return Plan(files, self.sources.subset(seg for f in files for seg in f.segments if isinstance(seg, Piece)))
+        sources = self.sources.subset(seg for f in files for seg in f.segments if isinstance(seg, Piece))
+        return Plan(files, sources, sources.largest_decoded_chunk() if self.decoded_chunk_bytes else 0)
 
     def pieces(self) -> Iterable[tuple[OutputFile, int, Piece]]:
         """(file, byte offset in file, piece) for every piece, in file order."""
@@ -201,8 +212,11 @@ def make_plan(catalog: Catalog, files: list[OutputFile]) -> Plan:
     """The plan for the writer's ``files``, every piece checked to be covered by stored chunks
     before anything is written."""
     pieces = [seg for f in files for seg in f.segments if isinstance(seg, Piece)]
+    decoded = 0  # found on the way, so the engine need not work out every piece's sources again
     for seg in pieces:
-        covered = sum(s.box.numel for s in sources_for(catalog.tensors[seg.name], seg.box))
+        sources = sources_for(catalog.tensors[seg.name], seg.box)
+        covered = sum(s.box.numel for s in sources)
         if covered != seg.box.numel:
             raise UsageError(f"{catalog.path}: {seg.name!r} box {seg.box} is only {covered}/{seg.box.numel} covered by stored chunks")
-    return Plan(files, PieceSources(catalog.tensors, pieces))
+        decoded = max(decoded, max(map(_decoded_bytes, sources), default=0))
+    return Plan(files, PieceSources(catalog.tensors, pieces), decoded)
