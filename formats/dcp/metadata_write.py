@@ -160,14 +160,15 @@ def metadata_bytes(tensors: Mapping[str, TensorRecord], objects: dict[str, tuple
                     storage_data=tokens["storage_data"], storage_meta=StorageMeta(), version="1.0.0",
                     reshard_containers=containers or None)
     head = _rename_globals(_unmemoized(meta))
+    placeholders = {part: ops.text(token, memo=False) for part, token in tokens.items()}
     out = io.BytesIO()
     out.write(pickle.PROTO + b"\x02")
     at = 0
-    for where, part in sorted((head.index(ops.text(tokens[p], memo=False)), p) for p in big):
+    for where, part in sorted((head.index(placeholders[p]), p) for p in big):
         out.write(head[at:where])
         for opcodes in big[part]:
             out.write(opcodes)
-        at = where + len(ops.text(tokens[part], memo=False))
+        at = where + len(placeholders[part])
     out.write(head[at:] + pickle.STOP)
     return out.getvalue()
 
@@ -182,9 +183,7 @@ def _unmemoized(obj: Any) -> bytes:
 
 
 _SETITEMS_BATCH = 1000  # items per SETITEMS / APPENDS, as the pickler batches them
-_META_CLASS = {c.__name__: f"{module}\n{c.__name__}" for c, module in (
-    (ChunkStorageMetadata, _META), (TensorProperties, _META), (TensorStorageMetadata, _META),
-    (BytesStorageMetadata, _META), (MetadataIndex, _META), (_MEM_FORMAT_ENCODING, _META), (_StorageInfo, _FS))}
+_META_CLASS = {name: f"{module}\n{name}" for name, module in _TORCH_MODULE.items()}  # as GLOBAL names them
 
 
 class _Opcodes:
