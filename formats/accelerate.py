@@ -50,19 +50,19 @@ def model_indices(path: Path) -> list[int]:
 def _dcp_parts(path: Path, model_index: int | None) -> dict[str, Path]:
     """section -> DCP folder of an accelerate save_state folder: model ``model_index`` and the
     optimizer of the same number."""
+    models = model_indices(path)
     if model_index is None:
         numbered = sorted(p.name for p in path.iterdir() if p.is_dir() and _NUMBERED.fullmatch(p.name))
         extra = [n for n in numbered if n not in (MODEL_DIR, OPTIMIZER_DIR)]
         if extra:
-            last = max(model_indices(path))
             raise UnsupportedFormatError(
                 f"{path}: an accelerate folder of several models or optimizers ({', '.join(numbered)}); their names "
-                f"collide in one checkpoint: load one with reshard.load_model(..., section={last}), or convert each "
-                f"folder on its own, e.g. reshard convert {path / extra[0]}")
+                f"collide in one checkpoint: load one with reshard.load_model(..., section={max(models)}), or "
+                f"convert each folder on its own, e.g. reshard convert {path / extra[0]}")
         model_index = 0
-    elif model_index not in model_indices(path):
+    elif model_index not in models:
         raise UsageError(f"{path}: section={model_index!r} names no model of this accelerate folder; its models are "
-                         f"{', '.join(map(str, model_indices(path)))} ({_MODEL_STEM}_<i>/)")
+                         f"{', '.join(map(str, models))} ({_MODEL_STEM}_<i>/)")
     parts = {"model": path / f"{_MODEL_STEM}_{model_index}", "optimizer": path / f"optimizer_{model_index}"}
     return {section: p for section, p in parts.items() if p.is_dir()}
 

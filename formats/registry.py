@@ -20,7 +20,7 @@ from reshard.errors import CheckpointNotFoundError, UnsupportedFormatError, Usag
 if TYPE_CHECKING:
     from reshard.protocol import Format
 
-__all__ = ["FormatEntry", "FORMATS", "register_format", "get_format", "detect_format", "format_names", "write_names",
+__all__ = ["FormatEntry", "FORMATS", "register_format", "get_format", "detect_format", "write_names",
            "format_for_destination", "default_suffix", "taking", "format_options"]
 
 
@@ -68,10 +68,6 @@ def register_format(entry: FormatEntry, *, before: str | None = None) -> None:
         raise UsageError(f"a format named {entry.name!r} is already registered")
     at = next((i for i, e in enumerate(FORMATS) if e.name == before), len(FORMATS))
     FORMATS.insert(at, entry)
-
-
-def format_names() -> tuple[str, ...]:
-    return tuple(e.name for e in FORMATS)
 
 
 def write_names() -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from reshard.formats.registry import FORMATS, default_suffix, format_for_destina
 from reshard.options import ConvertOptions, named
 from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
-from reshard.parallel import Workers, current_workers, split_files
+from reshard.parallel import Workers, current_workers, split_files, world
 from reshard.mesh.placements import load_placement_plan
 from reshard.plan import Plan, full_target, make_plan, model_section
 from reshard.log import log_notices
@@ -175,7 +175,7 @@ def convert(
     out = dst_path if dst_path is not None else remote_dst
 
     def result(seconds: float, kernel_bytes: int = 0, dry: bool = False, ranks: dict | None = None) -> ConvertResult:
-        if _rank() == 0:  # the same notices on every rank of a torchrun job: said once
+        if world()[0] == 0:  # the same notices on every rank of a torchrun job: said once
             log_notices(notices)
         return ConvertResult(src=source.location, dst=out, format=to, tensors=len(target.tensors), bytes=plan.total_bytes,
                              seconds=seconds, kernel_bytes=kernel_bytes, notices=notices, dry_run=dry,
@@ -202,12 +202,6 @@ def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOp
     if options is None:
         return from_kwargs
     return replace(options, **{k: getattr(from_kwargs, k) for k in given})
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 # Suffixes of files reshard does not write: a DST named so is a mistake, not a DCP folder name.

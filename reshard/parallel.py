@@ -22,7 +22,7 @@ from typing import Any
 from reshard.errors import ReshardError, UsageError
 from reshard.pieces import OutputFile
 
-__all__ = ["Workers", "current_workers", "torchrun_group", "split_files"]
+__all__ = ["Workers", "world", "current_workers", "torchrun_group", "split_files"]
 
 
 class RankFailedError(ReshardError):
@@ -69,6 +69,15 @@ def _torchrun_env() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
 
 
+def world() -> tuple[int, int]:
+    """(rank, world size) in the process group this process belongs to; (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def current_workers() -> Workers | None:
     """The process group this process already belongs to, or None when it runs alone. A
     library call never starts one: under torchrun without a group every rank would write the
@@ -76,7 +85,8 @@ def current_workers() -> Workers | None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return Workers(dist.get_rank(), dist.get_world_size()) if dist.get_world_size() > 1 else None
+        rank, size = world()
+        return Workers(rank, size) if size > 1 else None
     if _torchrun_env():
         raise UsageError(
             f"this process is one of {os.environ['WORLD_SIZE']} torchrun workers and no process group is initialized: "
@@ -92,7 +102,7 @@ def torchrun_group(timeout_s: float = 1800.0) -> Iterator[int]:
     import torch.distributed as dist
 
     if not _torchrun_env() or (dist.is_available() and dist.is_initialized()):
-        yield dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        yield world()[0]
         return
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     try:

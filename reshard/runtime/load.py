@@ -39,6 +39,7 @@ from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, m
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
 from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
 from reshard.log import log_notices
+from reshard.parallel import world
 from reshard.progress import Progress
 from reshard.sizes import format_size, parse_size, preview
 
@@ -71,12 +72,6 @@ class LoadResult:
 
 
 # ------------------------------------------------------------------------------ one world
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def _comm_device() -> torch.device:
@@ -136,8 +131,9 @@ def _read_catalog(source: Path, keymap: Any, layout: str | None, config: Any = N
     if section is None:
         catalog = fmt.read(source)
     elif fmt.name == "accelerate":  # one model of several, with its optimizer
-        catalog = fmt.read(source, model_index=_model_index(section))
-        catalog.notices.append(f"section={section!r}: model {_model_index(section)} and its optimizer of {source}")
+        index = _model_index(section)
+        catalog = fmt.read(source, model_index=index)
+        catalog.notices.append(f"section={section!r}: model {index} and its optimizer of {source}")
     else:
         catalog = _section_as_model(fmt.read(source), str(section))
     if config is not None:  # what model these tensors are: key maps read its head counts
@@ -203,7 +199,7 @@ class _Load:
     catalog: Catalog | None  # None on ranks that only receive
 
     def execute(self, progress: bool) -> int:
-        rank, _ = _world()
+        rank, _ = world()
         if self.mode == "rank0":
             total = self.plan.total_bytes
         else:
@@ -227,8 +223,8 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     source = Path(source)
     slab_bytes = max(1, parse_size(max_memory) // 4)  # two send buffers plus the reads behind one
     slots = make_slots(state_dict)
-    rank, world = _world()
-    mode = _choose_mode(mode, source, world)
+    rank, size = world()
+    mode = _choose_mode(mode, source, size)
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
     if mode == "local":
         catalog = _read_catalog(source, keymap, layout, config, section)
@@ -237,10 +233,10 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
         return _Load(source, mode, plan, slots, catalog)
     _comm_device()
     if mode == "rank0":
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        gathered: list[Any] | None = [None] * size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
     else:  # each rank plans only its own boxes; tied names still need everyone's view
-        tied: list[Any] = [None] * world
+        tied: list[Any] = [None] * size
         dist.all_gather_object(tied, mine[1])
         gathered = [(mine[0], [a for t in tied for a in t])]
     catalog, outcome, failure = None, None, None
@@ -258,7 +254,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
         dist.broadcast_object_list(box, src=0)
         outcome = box[0]
     else:
-        outcomes: list[Any] = [None] * world
+        outcomes: list[Any] = [None] * size
         dist.all_gather_object(outcomes, outcome if failure is not None else None)
         first = next((o for o in outcomes if o is not None), None)
         if first is not None and failure is None:
@@ -272,7 +268,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
 
 def _said(result: LoadResult) -> LoadResult:
     """``result``, its notices logged (once: every rank has the same)."""
-    if _world()[0] == 0:
+    if world()[0] == 0:
         log_notices(result.notices)
     return result
 
