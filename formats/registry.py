@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from reshard.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
+from reshard.storage import RemotePath
 
 if TYPE_CHECKING:
     from reshard.protocol import Format
 
 __all__ = ["FormatEntry", "FORMATS", "register_format", "get_format", "detect_format", "write_names",
-           "format_for_destination", "default_suffix", "taking", "format_options"]
+           "format_for_destination", "default_suffix", "taking", "format_options", "remote_holds", "remote_writes"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class FormatEntry:
     suffixes: tuple[str, ...] = ()  # a destination whose name ends so is this format
     default_suffix: str = ""  # of a default output name, for single-file outputs
     options: tuple[str, ...] = ()  # the format-specific ``ConvertOptions`` its writer uses
+    remote: bool = False  # read from (and, when it writes, written to) fsspec URLs: ``reshard.storage``
 
 
 # Detection order matters: a DCP folder may also contain other files; an HF folder with both
@@ -41,23 +43,23 @@ class FormatEntry:
 FORMATS: list[FormatEntry] = [
     # Megatron-Core's torch_dist is a DCP folder with metadata.json and common.pt beside it.
     FormatEntry("megatron", "reshard.formats.megatron:MegatronFormat", "a Megatron-Core torch_dist iter_N folder"),
-    FormatEntry("dcp", "reshard.formats.dcp.format:DCPFormat", "a DCP folder with .metadata", writes=True),
+    FormatEntry("dcp", "reshard.formats.dcp.format:DCPFormat", "a DCP folder with .metadata", writes=True, remote=True),
     FormatEntry("accelerate", "reshard.formats.accelerate:AccelerateFormat", "an accelerate save_state folder"),
     FormatEntry("zarr", "reshard.formats.zarr.format:ZarrFormat", "a zarr v3 store with zarr.json", writes=True,
-                suffixes=(".zarr",), default_suffix=".zarr", options=("max_shard_size", "compress")),
+                suffixes=(".zarr",), default_suffix=".zarr", options=("max_shard_size", "compress"), remote=True),
     # before torch-ranks: DeepSpeed's per-rank *_optim_states.pt are no DTensor rank files.
     FormatEntry("deepspeed", "reshard.formats.deepspeed.format:DeepSpeedFormat", "a DeepSpeed global_stepN folder"),
     FormatEntry("safetensors", "reshard.formats.safetensors.format:SafetensorsFormat",
                 "*.safetensors or a folder of them", writes=True, suffixes=(".safetensors",),
-                default_suffix=".safetensors", options=("max_shard_size",)),
+                default_suffix=".safetensors", options=("max_shard_size",), remote=True),
     FormatEntry("hf-bin", "reshard.formats.hf.bin:HFBinFormat",
                 "an HF folder with pytorch_model.bin or a *.bin.index.json"),
     FormatEntry("torch-ranks", "reshard.formats.torch.rank_folder:TorchRanksFormat", "a folder of per-rank torch files"),
     FormatEntry("torch", "reshard.formats.torch.save:TorchSaveFormat", "a torch .pt/.pth/.bin file", writes=True,
-                suffixes=(".pt", ".pth", ".bin"), default_suffix=".pt"),
+                suffixes=(".pt", ".pth", ".bin"), default_suffix=".pt", remote=True),
     # A write target only (an HF model folder); HF folders are detected as safetensors.
     FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True,
-                options=("max_shard_size", "hf_assets", "weights_only")),
+                options=("max_shard_size", "hf_assets", "weights_only"), remote=True),
 ]
 _cache: dict[str, Format] = {}
 
@@ -89,16 +91,39 @@ def get_format(name: str) -> Format:
     return _cache[name]
 
 
-def detect_format(path: Path) -> Format:
-    path = Path(path)
+def detect_format(path: Path | RemotePath) -> Format:
+    """The format of the checkpoint at ``path``, by the first entry whose ``detect`` accepts
+    it. A ``RemotePath`` is offered to every entry too, so a checkpoint of a format reshard
+    cannot read from a URL is refused by name rather than taken for another one."""
+    remote = isinstance(path, RemotePath)
+    path = path if remote else Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
     for entry in list(FORMATS):
         fmt = get_format(entry.name)
-        if fmt.detect(path):
+        try:
+            found = fmt.detect(path)
+        except (TypeError, OSError):  # a reader that needs a local file (open(), mmap) cannot look at a URL
+            if not remote:
+                raise
+            found = False
+        if found and remote and not entry.remote:
+            raise UnsupportedFormatError(f"{path}: {entry.holds} is read from local files only; copy it here first "
+                                         f"(reshard reads {remote_holds()} from URLs)")
+        if found:
             return fmt
-    raise UnsupportedFormatError(
-        f"{path}: not a checkpoint reshard recognizes (expected {', '.join(e.holds for e in FORMATS if e.holds)})")
+    holds = remote_holds() if remote else ", ".join(e.holds for e in FORMATS if e.holds)
+    raise UnsupportedFormatError(f"{path}: not a checkpoint reshard recognizes (expected {holds})")
+
+
+def remote_holds() -> str:
+    """What reshard reads from fsspec URLs, in words."""
+    return ", ".join(e.holds for e in FORMATS if e.remote and e.holds)
+
+
+def remote_writes() -> tuple[str, ...]:
+    """The ``--to`` formats that can be written to an fsspec URL."""
+    return tuple(e.name for e in FORMATS if e.writes and e.remote)
 
 
 def format_for_destination(dst: Path) -> str:

@@ -91,6 +91,20 @@ def _quiet_logging(value: bool) -> bool:
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or notices (errors still print).",
                                      callback=_quiet_logging)]
 AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (schema 1, see docs/cli.md).")]
+
+
+def _storage_options(value: Optional[str]) -> Optional[str]:
+    if value is not None:
+        from reshard.storage import parse_storage_options, set_default_storage_options
+
+        set_default_storage_options(parse_storage_options(value))
+    return value
+
+
+StorageOptions = Annotated[Optional[str], typer.Option(
+    "--storage-options", metavar="JSON", callback=_storage_options,
+    help="fsspec options for s3://, gs://, az://, hf:// URLs, e.g. '{\"endpoint_url\": \"http://localhost:9000\"}' "
+         "(credentials also from the store's own environment: AWS_*, FSSPEC_S3_ENDPOINT_URL...).")]
 MaxMemory = Annotated[str, typer.Option(
     "--max-memory", help="Memory budget for tensor data: 512MiB, 2GiB (or 512M, 2G: binary); 2GB = 2*10^9 bytes.")]
 ToMesh = Annotated[Optional[str], typer.Option(
@@ -103,7 +117,7 @@ LayoutOption = Annotated[Optional[str], typer.Option(
 AllowClass = Annotated[Optional[list[str]], typer.Option(
     "--allow-class", metavar="MODULE.NAME", help="Read objects of this class in a trusted torch file as inert data (repeatable; "
     "its code is never run), like torch's add_safe_globals.")]
-Src = Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint: a DCP folder, .safetensors/.pt file or folder, HF folder, zarr store or URL, or a Hub repo id.")]
+Src = Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint: a DCP folder, .safetensors/.pt file or folder, HF folder, zarr store, a URL of one (s3://, gs://, hf://...), or a Hub repo id.")]
 
 
 def _say(msg: str) -> None:
@@ -164,6 +178,7 @@ def inspect(
     placements: Placements = None,
     layout: LayoutOption = None,
     allow_class: AllowClass = None,
+    storage_options: StorageOptions = None,
     debug: Debug = False,
 ) -> None:
     """Show what a checkpoint holds: every tensor's shape, dtype, bytes and chunks, the objects, and the layout.
@@ -204,7 +219,7 @@ def inspect(
              "  reshard convert ckpt/ out/ --to hf --config cfg/ --hf-assets tok/ --dtype bfloat16")
 def convert(
     src: Src,
-    dst: Annotated[Optional[str], typer.Argument(metavar="DST", help="Output path or zarr URL (memory://, s3://...); default: beside SRC, named after the target.")] = None,
+    dst: Annotated[Optional[str], typer.Argument(metavar="DST", help="Output path or URL (s3://, gs://, memory://...: DCP, safetensors, hf or zarr); default: beside SRC, named after the target.")] = None,
     to: Annotated[Optional[str], typer.Option("--to", help="Output format: {write_formats} (torch with --to-mesh: one file per rank); default from DST's suffix, else dcp.")] = None,
     to_mesh: ToMesh = None,
     placements: Placements = None,
@@ -227,6 +242,7 @@ def convert(
     allow_class: AllowClass = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
+    storage_options: StorageOptions = None,
     debug: Debug = False,
 ) -> None:
     """Convert a checkpoint to another format or mesh, streaming under --max-memory; bit-exact unless --dtype."""
@@ -268,7 +284,7 @@ def convert(
              "  reshard verify titan_ckpt/ hf_out/ --keymap titan-to-hf --only model\n\n"
              "  reshard verify --quick ckpt_4x8/                              # every file against its manifest")
 def verify(
-    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format; a path, zarr URL or Hub repo id).")],
+    a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format; a path, URL or Hub repo id).")],
     b: Annotated[Optional[str], typer.Argument(metavar="B", help="Second checkpoint (any format).")] = None,
     atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for floating/complex values (default: exact, bit for bit).")] = None,
     rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for floating/complex values (default: exact).")] = None,
@@ -280,6 +296,7 @@ def verify(
     allow_class: AllowClass = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
+    storage_options: StorageOptions = None,
     debug: Debug = False,
 ) -> None:
     """Compare two checkpoints tensor by tensor: exit 0 when equal, 1 when they differ.

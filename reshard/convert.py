@@ -16,7 +16,8 @@ from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError, option
 from reshard.protocol import Writer
 from reshard.pieces import OutputFile
-from reshard.formats.registry import FORMATS, default_suffix, format_for_destination, format_options, get_format, taking
+from reshard.formats.registry import (FORMATS, default_suffix, format_for_destination, format_options, get_format,
+                                      remote_writes, taking)
 from reshard.options import ConvertOptions, named
 from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
@@ -150,17 +151,20 @@ def convert(
     """
     start = time.perf_counter()
     opts = _options(options, given)
-    source = resolve_source(src)
+    source = resolve_source(src, opts.storage_options)
     dst_path = local_path(dst) if dst is not None else None
-    remote_dst = str(dst) if dst is not None and dst_path is None else None  # a zarr store behind an fsspec URL
+    remote_dst = str(dst) if dst is not None and dst_path is None else None  # an fsspec URL (reshard.remote_output)
     catalog = source.catalog
     before = source_files(catalog) if source.path is not None else {}
     to = opts.to
     if to is None:
-        to = "zarr" if remote_dst else destination_format(dst_path) if dst_path is not None else "dcp"
-    if remote_dst is not None and to != "zarr":
-        raise UsageError(f"{remote_dst}: a URL destination is a zarr store; use --to zarr or a local DST")
+        named_as = dst_path if dst_path is not None else Path(remote_dst.split("://", 1)[1]) if remote_dst else None
+        to = destination_format(named_as) if named_as is not None else "dcp"
     catalog, to, target, spec = build_target(catalog, to, opts)
+    if remote_dst is not None and to not in remote_writes():
+        what = "per-rank torch files" if to == "torch-ranks" else to
+        raise UsageError(f"{remote_dst}: reshard writes {', '.join(remote_writes())} to URLs, not {what}; "
+                         "write a local DST and upload it")
     cast = str(parse_dtype(opts.dtype)).removeprefix("torch.") if opts.dtype is not None else None
     if dst_path is None and remote_dst is None:
         if source.beside is None:
@@ -186,10 +190,18 @@ def convert(
 
         ranks = mesh_summary(target, detect_layout(catalog)) if target.mesh is not None else None
         return result(time.perf_counter() - start, dry=True, ranks=ranks)
-    if remote_dst is not None:  # object stores have no rename: chunks first, the root zarr.json last
-        from reshard.formats.zarr.remote import write_url
+    if remote_dst is not None:  # object stores have no rename: data first, the file that makes a checkpoint last
+        if to == "zarr":
+            from reshard.formats.zarr.remote import write_url
 
-        write_url(remote_dst, plan, target, writer, opts)
+            write_url(remote_dst, plan, target, writer, opts)
+        else:
+            from reshard.remote_output import write_remote
+
+            if world()[1] > 1:
+                raise UsageError(f"{remote_dst}: a URL output is written by one process; run it without torchrun")
+
+            write_remote(remote_dst, plan, target, writer, files, opts, opts.storage_options)
         return result(time.perf_counter() - start)
     stats = write_output(plan, writer, target, files, dst_path, before, current_workers(), opts,
                          sources=(source.path,) if source.path is not None else (), label=source.label)

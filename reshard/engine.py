@@ -37,6 +37,7 @@ from reshard.pieces import OutputFile, Piece
 from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool
+from reshard.storage import RemotePath
 from reshard.progress import Progress
 from reshard.regions import (BAND_BYTES, StoredRegion, as_region, bytes_of_run, fill_in_bands, read_exact,
                              read_in_place)
@@ -308,8 +309,8 @@ class Engine:
         out = []
         for s in sources:
             data = as_region(s.chunk.data)
-            if data is None or data.dtype != piece.dtype:
-                return None
+            if data is None or data.dtype != piece.dtype or isinstance(data.path, RemotePath):
+                return None  # a remote source is read in ranges, not kernel-copied
             src = data.byte_range(s.box.shifted(s.chunk.box.offsets))
             dst = contiguous_range(s.box.shifted(piece.box.offsets), piece.box.sizes)
             if src is None or dst is None:

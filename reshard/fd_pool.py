@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from reshard.storage import RemotePath, close, open_read
+
 __all__ = ["FdPool", "default_limit"]
 
 
@@ -30,7 +32,8 @@ def default_limit() -> int:
 
 class FdPool:
     """Descriptors by path, opened with ``flags``, shared by threads (pread and pwrite do not
-    move a file position, so one descriptor serves every worker)."""
+    move a file position, so one descriptor serves every worker). A remote source file
+    (``RemotePath``) gets a ``RemoteFile`` handle instead, read through ``storage.pread_into``."""
 
     def __init__(self, flags: int = os.O_RDONLY, limit: int | None = None) -> None:
         self.flags = flags
@@ -45,7 +48,7 @@ class FdPool:
             fd = self._open.get(path)
             if fd is None:
                 self._make_room()
-                fd = self._open[path] = os.open(path, self.flags)
+                fd = self._open[path] = open_read(path) if isinstance(path, RemotePath) else os.open(path, self.flags)
             else:
                 self._open.move_to_end(path)
             self._users[path] += 1
@@ -64,7 +67,7 @@ class FdPool:
             idle = next((p for p in self._open if p not in self._users), None)
             if idle is None:
                 return
-            os.close(self._open.pop(idle))
+            close(self._open.pop(idle))
 
     @property
     def open_count(self) -> int:
@@ -73,5 +76,5 @@ class FdPool:
     def close(self) -> None:
         with self._lock:
             for fd in self._open.values():
-                os.close(fd)
+                close(fd)
             self._open.clear()

@@ -20,7 +20,7 @@ from typing import Any
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, ReshardError, UsageError
 from reshard.log import log_notices
 
-__all__ = ["hub_source", "hub_files", "check_folder", "push", "PushResult", "LARGE_FOLDER_BYTES"]
+__all__ = ["hub_source", "cached_hub_folder", "hub_files", "check_folder", "push", "PushResult", "LARGE_FOLDER_BYTES"]
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _WEIGHTS = ["*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json"]
@@ -64,6 +64,31 @@ def hub_source(src: Path) -> tuple[Path, Path]:
     if not any(local.glob("*.safetensors")):
         raise CheckpointNotFoundError(f"{repo_id}: the repo has no *.safetensors weights (reshard reads those, not .bin files)")
     return local, Path.cwd() / repo_id.split("/")[-1]
+
+
+def cached_hub_folder(url: str) -> Path | None:
+    """The local snapshot of ``hf://owner/name[@revision]`` when huggingface_hub's cache holds
+    all its weights (no network is asked); None when it does not, and the URL is then read from
+    the Hub in byte ranges by ``HfFileSystem``, which honours ``HF_TOKEN`` and ``HF_HUB_OFFLINE``."""
+    if not url.startswith("hf://"):
+        return None
+    repo_id, _, revision = url[len("hf://"):].strip("/").partition("@")
+    if not _REPO_ID.fullmatch(repo_id):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        local = Path(snapshot_download(repo_id, revision=revision or None, allow_patterns=_WEIGHTS, local_files_only=True))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError):
+        return None
+    index = local / "model.safetensors.index.json"
+    try:
+        wanted = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    have = {p.name for p in local.glob("*.safetensors")}
+    return local if have and wanted <= have else None
 
 
 def hub_files(repo_id: str, names: list[str], *, what: str) -> Path:

@@ -49,6 +49,7 @@ class ConvertOptions:
     workers: int | None = None  # copy threads (default: up to 4)
     fsync: bool = False  # durable against power loss when it appears
     dry_run: bool = False  # plan and check everything, write nothing
+    storage_options: dict[str, Any] | None = None  # fsspec arguments for URL sources and outputs
 
     @classmethod
     def of(cls, given: dict[str, Any]) -> ConvertOptions:

@@ -10,7 +10,6 @@ would count towards RSS and stay until the kernel evicts them.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from reshard.boxes import Box, c_order_slabs, contiguous_range, full_box
 from reshard.errors import CorruptCheckpointError
+from reshard.storage import close, open_read, pread_into
 
 __all__ = ["StoredRegion", "read_exact", "c_strides", "as_region", "bytes_of_run", "read_in_place", "fill_in_bands", "BAND_BYTES"]
 
@@ -52,7 +52,7 @@ def _read_tensor(fd: int, nbytes: int, offset: int, path: Path | str) -> torch.T
 def _read_into(fd: int, view: memoryview, offset: int, path: Path | str) -> None:
     done, nbytes = 0, view.nbytes
     while done < nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
+        n = pread_into(fd, view[done:], offset + done)
         if n == 0:
             raise CorruptCheckpointError(
                 f"{path}: file ends at byte {offset + done}, expected data up to byte "
@@ -92,11 +92,11 @@ class StoredRegion:
         return (self.offset + start * item, count * item)
 
     def read(self, box: Box) -> torch.Tensor:
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_read(self.path)
         try:
             return self.read_from(fd, box)
         finally:
-            os.close(fd)
+            close(fd)
 
     def read_from(self, fd: int, box: Box, into: torch.Tensor | None = None) -> torch.Tensor:
         """Read ``box`` through an already open ``fd`` of ``path`` (the engine keeps them open).

@@ -1,6 +1,7 @@
 """What a SRC or DST argument can be, resolved the same way by every command: a local path, a
-``file://`` URL (a local path spelled as a URL), an fsspec URL of a zarr store (``memory://``,
-``s3://``...), or, for a source, an ``owner/name[@revision]`` Hub repo id."""
+``file://`` URL (a local path spelled as a URL), an fsspec URL (``s3://``, ``gs://``,
+``memory://``...; ``reshard.storage``) of a DCP folder, safetensors file or folder or zarr
+store, or, for a source, an ``owner/name[@revision]`` Hub repo id or ``hf://owner/name``."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reshard.catalog import Catalog
+from reshard.errors import CheckpointNotFoundError, ReshardError
+from reshard.storage import RemotePath, is_url
 
 __all__ = ["Source", "read_catalog", "resolve_source", "local_path"]
 
 
 def local_path(location: str | os.PathLike) -> Path | None:
     """The local path a location names (a path, or a ``file://`` URL); None for a remote URL."""
-    from reshard.formats.zarr.store import is_url
-
     if not is_url(location):
         return Path(location)
     text = str(location)
@@ -39,14 +40,25 @@ class Source:
         return self.path.name if self.path is not None else str(self.location)
 
 
-def resolve_source(src: str | os.PathLike) -> Source:
-    """Read ``src``'s catalog (metadata only) wherever it is."""
+def resolve_source(src: str | os.PathLike, storage_options: dict | None = None) -> Source:
+    """Read ``src``'s catalog (metadata only) wherever it is. ``storage_options``: fsspec
+    arguments for a URL (beside the CLI's ``--storage-options``)."""
+    from reshard.formats.registry import detect_format
+
     path = local_path(src)
     if path is None:
-        from reshard.formats.zarr.format import ZarrFormat
+        from reshard.hub import cached_hub_folder
 
-        return Source(str(src), ZarrFormat().read(str(src)), None, None)
-    from reshard.formats.registry import detect_format
+        cached = cached_hub_folder(str(src))  # hf://owner/name found whole in the local cache
+        if cached is not None:
+            return Source(str(src), detect_format(cached).read(cached), cached, None)
+        remote = RemotePath.from_url(str(src), storage_options)
+        try:
+            return Source(str(src), detect_format(remote).read(remote), None, None)
+        except OSError as e:  # the store's own errors (offline, denied, unreachable): one line naming SRC
+            if isinstance(e, ReshardError) or (e.filename and str(e.filename) != remote.path):
+                raise
+            raise CheckpointNotFoundError(f"{src}: {e.strerror or e}") from e
     from reshard.hub import hub_source
 
     path, beside = hub_source(path)  # a Hub repo id: its cached snapshot; outputs go to the cwd

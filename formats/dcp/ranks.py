@@ -13,7 +13,6 @@ what a name is (dtype, size, chunk extent, nesting) are refused: there is no rig
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from reshard.catalog import ChunkData
 from reshard.errors import CorruptCheckpointError
 from reshard.formats.dcp.metadata import DCPIndex, StorageRecord, read_metadata_file
 from reshard.regions import read_exact
+from reshard.storage import close, open_read
 
 __all__ = ["rank_metadata_files", "merged_rank_index", "CheckedCopies", "same_bytes"]
 
@@ -147,8 +147,8 @@ def same_bytes(root: Path, name: str, records: list[StorageRecord], load: Callab
 
 
 def _record_bytes(root: Path, rec: StorageRecord) -> bytes:
-    fd = os.open(root / rec.relpath, os.O_RDONLY)
+    fd = open_read(root / rec.relpath)
     try:
         return bytes(read_exact(fd, rec.length, rec.offset, root / rec.relpath))
     finally:
-        os.close(fd)
+        close(fd)

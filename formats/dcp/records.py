@@ -17,7 +17,6 @@ empty ones) are not opened.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from reshard.formats.dcp.metadata import DCPIndex, StorageRecord
 from reshard.formats.dcp.safetensors import BlobChunk, read_blob
 from reshard.formats.dcp.zstd import DESCRIPTOR, content_size, require_zstandard
 from reshard.regions import StoredRegion, read_exact
+from reshard.storage import close, handle_size, open_read
 
 __all__ = ["ZIP", "ZSTD", "BLOB", "Item", "Placed", "place_records", "sniff_record", "RecordColumns"]
 
@@ -81,14 +81,14 @@ def place_records(root: Path, items: list[Item]) -> dict[Item, Placed]:
 
 def _place_file(path: Path, items: list[Item]) -> dict[Item, Placed]:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_read(path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: data file named in .metadata is missing") from None
     try:
-        size = os.fstat(fd).st_size
+        size = handle_size(fd)
         kinds = {it: _kind(fd, size, path, it) for it in items}
     finally:
-        os.close(fd)
+        close(fd)
     placed: dict[Item, Placed] = {}
     extents: list[_Extent] = []
     blobs: dict[int, list[Item]] = defaultdict(list)
@@ -141,13 +141,13 @@ def _kind(fd: int, size: int, path: Path, it: Item) -> str:
 def sniff_record(path: Path, it: Item, *, allow_blob: bool = True) -> str:
     """What one record holds (``_kind``), read when its bytes are first wanted."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_read(path)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: data file named in .metadata is missing") from None
     try:
-        kind = _kind(fd, os.fstat(fd).st_size, path, it)
+        kind = _kind(fd, handle_size(fd), path, it)
     finally:
-        os.close(fd)
+        close(fd)
     if kind == BLOB and not allow_blob:
         raise CorruptCheckpointError(f"{path}: {it.describe()} at byte {it.rec.offset} is a safetensors blob among "
                                      "torch.save archives, a layout torch does not write")

@@ -26,7 +26,6 @@ head and tail. Objects are read the same way, their tensors whole.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -39,6 +38,7 @@ from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.formats.torch.zip import _TorchZipReader, materialize
 from reshard.formats.torch.zip_index import ZipIndex
 from reshard.regions import StoredRegion, c_strides, read_exact
+from reshard.storage import close, open_read
 
 __all__ = ["DESCRIPTOR", "require_zstandard", "content_size", "ZstdChunk", "load_zstd_object"]
 
@@ -139,11 +139,11 @@ class _Stream:
 
 
 def _with_fd(path: Path, fn: Any) -> Any:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_read(path)
     try:
         return fn(fd)
     finally:
-        os.close(fd)
+        close(fd)
 
 
 class _Archive:

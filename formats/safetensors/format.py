@@ -19,6 +19,7 @@ greedy shard split, same index), so tools that read theirs read ours.
 from __future__ import annotations
 
 import json
+import re
 import os
 from pathlib import Path, PureWindowsPath
 from typing import Any
@@ -124,7 +125,27 @@ def _source_files(path: Path) -> tuple[Path | None, dict[Path, set[str] | None]]
     files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if not files:
         raise CheckpointNotFoundError(f"{path}: no *.safetensors file or index in this folder")
+    _check_shard_set(path, [p.name for p in files])
     return path, {p: None for p in files}
+
+
+_SHARD_NAME = re.compile(r"(.+)-(\d+)-of-(\d+)\.safetensors")
+
+
+def _check_shard_set(folder: Path, names: list[str]) -> None:
+    """Without an index, shards named ``NAME-00001-of-00004`` must all be there: fewer is an
+    interrupted download or write (an object store shows shards before the index that
+    completes them), never a smaller checkpoint."""
+    groups: dict[tuple[str, int], set[int]] = {}
+    for name in names:
+        m = _SHARD_NAME.fullmatch(name)
+        if m:
+            groups.setdefault((m.group(1), int(m.group(3))), set()).add(int(m.group(2)))
+    for (stem, total), have in sorted(groups.items()):
+        if have != set(range(1, total + 1)):
+            raise CorruptCheckpointError(
+                f"{folder}: holds {len(have)} of the {total} shards {stem}-*-of-{total:05d}.safetensors and no index; "
+                "an interrupted download or write? fetch or write it again")
 
 
 def _check_against_index(file: Path, stored: set[str], expected: set[str] | None) -> None:

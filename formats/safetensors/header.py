@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.regions import read_exact
+from reshard.storage import close, handle_size, open_read
 
 __all__ = [
     "MAX_HEADER_SIZE", "HeaderTensor", "Header", "read_header", "header_bytes", "unstorable",
@@ -230,9 +230,9 @@ def read_header(path: Path, start: int = 0) -> Header:
     file by default); raises CorruptCheckpointError naming the file and the field at the first
     inconsistency. The data must end exactly where the file does."""
     where = f"{path}" if start == 0 else f"{path} (safetensors data at byte {start})"
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_read(path)
     try:
-        size = os.fstat(fd).st_size - start
+        size = handle_size(fd) - start
         if size < 8:
             raise CorruptCheckpointError(f"{where}: {size} bytes, too short for a safetensors header length (truncated?)")
         prefix = bytes(read_exact(fd, 8, start, path))
@@ -249,7 +249,7 @@ def read_header(path: Path, start: int = 0) -> Header:
             raise CorruptCheckpointError(f"{where}: header length {n} runs past the end of the file ({size} bytes)")
         raw = bytes(read_exact(fd, n, start + 8, path))
     finally:
-        os.close(fd)
+        close(fd)
     obj = _parse_json(where, raw)
     metadata = _metadata(where, obj.pop("__metadata__", None))
     tensors = sorted((_tensor(where, k, v) for k, v in obj.items()), key=lambda t: (t.begin, t.end))

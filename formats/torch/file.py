@@ -3,13 +3,14 @@ pre-1.6 legacy stream; the tar layout of torch < 0.4 is refused."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from reshard.errors import UnsupportedFormatError
 from reshard.formats.torch.legacy import is_tar, read_legacy
 from reshard.formats.torch.zip import read_torch_zip_deferred
+from reshard.regions import read_exact
 from reshard.safe_pickle.unpickler import Unpickled
+from reshard.storage import RemotePath, close, handle_size, open_read
 
 __all__ = ["read_torch_file"]
 
@@ -18,11 +19,11 @@ def read_torch_file(path: Path) -> Unpickled:
     """A whole torch.save file, zip or pre-1.6 legacy, read with placeholders where globals
     nobody allowed were (``safe_loads_deferred``): the caller refuses the objects that hold
     one when they are asked for, so a conversion of the model alone still works."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_read(path)
     try:
-        head = os.pread(fd, 512, 0)
+        head = bytes(read_exact(fd, min(512, handle_size(fd)), 0, path))
     finally:
-        os.close(fd)
+        close(fd)
     if head[:4] != b"PK\x03\x04":
         if is_tar(head):
             raise UnsupportedFormatError(
@@ -30,5 +31,7 @@ def read_torch_file(path: Path) -> Unpickled:
                 "an old torch and save it again"
             )
         if head[:1] == b"\x80":
+            if isinstance(path, RemotePath):
+                raise UnsupportedFormatError(f"{path}: a pre-1.6 torch.save file, read from local files only; copy it here first")
             return read_legacy(path)
     return read_torch_zip_deferred(path)

@@ -44,6 +44,7 @@ from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_
 from reshard.boxes import full_box
 from reshard.catalog import Catalog, Chunk, NestedPath, ObjectTable, Target, TensorEntry
 from reshard.errors import UnsafeCheckpointError, UnsupportedFormatError, UsageError
+from reshard.storage import as_location
 from reshard.safe_pickle.inert import is_refused, refused_name
 from reshard.safe_pickle.walk import find_in
 from reshard.regions import StoredRegion
@@ -288,7 +289,7 @@ class TorchSaveFormat:
 
     def read(self, path: Path) -> Catalog:
         """Catalog a torch.save file (zip or legacy); DTensors only when their mesh has a single rank."""
-        path = Path(path)
+        path = as_location(path)
         flat = flatten_tree(read_torch_file(path), str(path))
         catalog = Catalog(format=self.name, path=path)
         add_leaves(catalog, flat, path)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections import ChainMap
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +32,7 @@ from reshard.safe_pickle.inert import Inert, Refused, Sealed, inert_name, is_ref
 from reshard.safe_pickle.walk import find_in, replace_in
 from reshard.safe_pickle.value_types import VALUE_GLOBALS
 from reshard.regions import StoredRegion
+from reshard.storage import close, handle_size, open_read
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads, safe_loads_deferred
 
 __all__ = ["read_torch_zip", "read_torch_zip_deferred", "load_object_blob", "materialize", "TorchPickle", "DTensorRef",
@@ -215,15 +215,15 @@ def read_torch_zip_deferred(path: Path) -> Unpickled:
 
 @contextlib.contextmanager
 def _open_archive(path: Path, start: int, length: int | None) -> Iterator[_TorchZipReader]:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_read(path)
     try:
-        size = os.fstat(fd).st_size
+        size = handle_size(fd)
         length = size - start if length is None else length
         if start + length > size:
             raise CorruptCheckpointError(f"{path}: expected {length} bytes at offset {start}, file has {size} (truncated?)")
         yield _TorchZipReader(path, fd, start, length)
     finally:
-        os.close(fd)
+        close(fd)
 
 
 def load_object_blob(path: Path, start: int, length: int, read: Callable[[StoredRegion], torch.Tensor]) -> Any:

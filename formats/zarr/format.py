@@ -39,6 +39,7 @@ from reshard.formats.torch.zip import load_object_blob
 from reshard.formats.zarr.chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress
 from reshard.formats.zarr.grid import ArrayLayout, chunk_segments, plan_arrays
 from reshard.formats.zarr.meta import MAX_JSON_SIZE, ZARR_JSON, array_meta_json, group_meta_json, parse_array_meta, parse_json
+from reshard.storage import RemotePath
 from reshard.formats.zarr.store import LocalStore, Store, open_store
 from reshard.formats.torch.zip_write import torch_save_bytes
 from reshard.regions import StoredRegion
@@ -200,7 +201,7 @@ class ZarrFormat:
 
     def read(self, path: Path | str) -> Catalog:
         """A local store folder, or an fsspec URL (``memory://...``, ``s3://...``)."""
-        return read_store(open_store(path), path)
+        return read_store(open_store(path), str(path) if isinstance(path, RemotePath) else path)
 
     def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> ZarrWriter:
         """``max_shard_size`` (``--max-shard-size``) caps the chunk size when no mesh sets it.

@@ -14,12 +14,11 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
-
 from reshard.catalog import Target
 from reshard.errors import OutputExistsError, option
 from reshard.options import ConvertOptions
-from reshard.pieces import OutputFile, Piece
+from reshard.pieces import OutputFile
+from reshard.remote_output import slabs_of
 from reshard.formats.zarr.format import ZarrWriter, write_metadata
 from reshard.formats.zarr.chunks import compress as zstd
 from reshard.formats.zarr.meta import ZARR_JSON
@@ -30,23 +29,12 @@ __all__ = ["write_url"]
 _ZERO_STEP = 8 << 20
 
 
-def _slabs(piece: Piece, sources: list, slab_bytes: int) -> Any:
-    """The piece's bytes in C-order slabs of at most ``slab_bytes`` (the engine's own helpers)."""
-    from reshard.boxes import c_order_slabs
-    from reshard.engine import assemble
-
-    for slab in c_order_slabs(piece.box, piece.dtype.itemsize, slab_bytes):
-        t = assemble(slab, piece.dtype, [s for s in sources if s.box.intersect(slab) is not None])
-        flat = t.contiguous().reshape(-1)
-        yield memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-
-
 def _put_chunk(store: RemoteStore, key: str, layout: OutputFile, full: int, plan: Any, slab: int, compressed: bool) -> int:
     """One chunk object: streamed (multipart on object stores) when raw, whole when zstd."""
     if compressed:
         buf, at = bytearray(full), 0
         for seg in layout.segments:
-            for part in _slabs(seg, plan.sources[seg], slab) if isinstance(seg, Piece) else [memoryview(seg)]:
+            for part in slabs_of(seg, plan, slab):
                 buf[at:at + part.nbytes] = part
                 at += part.nbytes
         store.put(key, zstd(buf))
@@ -54,7 +42,7 @@ def _put_chunk(store: RemoteStore, key: str, layout: OutputFile, full: int, plan
     written = 0
     with store.open_write(key) as f:
         for seg in layout.segments:
-            for part in _slabs(seg, plan.sources[seg], slab) if isinstance(seg, Piece) else [memoryview(seg)]:
+            for part in slabs_of(seg, plan, slab):
                 f.write(part)
                 written += part.nbytes
         zeros = bytes(min(_ZERO_STEP, full - written))
@@ -69,7 +57,7 @@ def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, options: 
     """Write ``plan`` (laid out by ``writer``) as a zarr store at ``url``; returns bytes put.
     Memory: each worker holds one slab (raw) or one chunk and its zstd form (compressed)."""
     max_memory, overwrite, workers = options.budget, options.overwrite, options.workers
-    store = RemoteStore(url)
+    store = RemoteStore(url, options.storage_options)
     if store.size(ZARR_JSON) is not None or store.listing(""):
         if not overwrite:
             what = "a zarr store" if store.size(ZARR_JSON) is not None else "data (an unfinished write?)"

@@ -12,20 +12,13 @@ credentials.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from reshard.errors import CheckpointNotFoundError, UsageError
+from reshard.errors import CheckpointNotFoundError
+from reshard.storage import RemotePath, is_url
 
 __all__ = ["is_url", "LocalStore", "RemoteStore", "Store", "open_store"]
-
-_URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
-
-
-def is_url(location: object) -> bool:
-    """True for ``scheme://...`` strings (not for Paths, which normalise ``//`` away)."""
-    return isinstance(location, str) and bool(_URL.match(location))
 
 
 class LocalStore:
@@ -87,16 +80,10 @@ class RemoteStore:
     """A store behind an fsspec URL. Nothing is staged: writers put chunks first and the
     root ``zarr.json`` last, so an interrupted write is not mistaken for a store."""
 
-    def __init__(self, url: str, **storage_options: Any) -> None:
-        try:
-            import fsspec
-        except ImportError:
-            raise UsageError(f"{url}: URLs need fsspec (a reshard dependency): pip install fsspec (and s3fs for s3://)") from None
-
-        self.url = url
-        self.where = url
-        self.fs, root = fsspec.core.url_to_fs(url, **storage_options)
-        self.root = root.rstrip("/")
+    def __init__(self, url: str | RemotePath, storage_options: dict[str, Any] | None = None) -> None:
+        remote = url if isinstance(url, RemotePath) else RemotePath.from_url(url, storage_options)
+        self.url = self.where = str(url)
+        self.fs, self.root = remote.fs, remote.path.rstrip("/")
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
@@ -155,6 +142,8 @@ Store = LocalStore | RemoteStore
 
 def open_store(location: str | os.PathLike) -> Store:
     """The store at a local path or URL; a ``file://`` URL is a local folder."""
+    if isinstance(location, RemotePath):
+        return RemoteStore(location)
     if is_url(location):
         if str(location).startswith("file://"):
             return LocalStore(Path(str(location)[len("file://"):]))

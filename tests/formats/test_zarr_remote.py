@@ -48,8 +48,8 @@ def test_memory_url_write_then_read(src, tmp_path: Path) -> None:
             assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
     with pytest.raises(OutputExistsError, match="overwrite=True"):
         reshard.convert(path, url, quiet=True)
-    with pytest.raises(UsageError, match="zarr store"):
-        reshard.convert(path, "memory://reshard-test/b", to="dcp", quiet=True)
+    with pytest.raises(UsageError, match="not per-rank torch files"):  # no marker could say they are all there
+        reshard.convert(path, "memory://reshard-test/b", to="torch", mesh="2", quiet=True)
     with pytest.raises(UsageError, match="explicit DST"):
         reshard.convert(url, quiet=True)
 
