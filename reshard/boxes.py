@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Box", "full_box", "c_order_slabs", "contiguous_range", "tiles_exactly", "tiles_columns"]
+__all__ = ["Box", "full_box", "c_order_slabs", "contiguous_range", "tiles_exactly", "tiles_columns", "tiling_suspects"]
 
 
 @dataclass(frozen=True)
@@ -135,6 +135,47 @@ def tiles_exactly(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     if total != whole.numel:
         return f"chunks cover {total} of {whole.numel} elements (holes)"
     return None
+
+
+def tiling_suspects(shapes: Sequence[Sequence[int]], offsets: Sequence[np.ndarray], sizes: Sequence[np.ndarray]) -> list[int]:
+    """Which of many tensors (all of one rank, each given as ``tiles_columns`` takes it) may
+    fail ``tiles_columns``: checked together in a few array operations over every chunk, where
+    one call per tensor cost more than reading the metadata of a 100k-tensor checkpoint. A
+    tensor whose chunks cut several dims is always a suspect; the caller runs
+    ``tiles_columns`` on the suspects, which also words the problem."""
+    m = len(shapes)
+    if not m:
+        return []
+    ndim = len(shapes[0])
+    counts = np.fromiter(map(len, offsets), dtype=np.int64, count=m)
+    n = int(counts.sum())
+    if any(o.shape != (k, ndim) or z.shape != (k, ndim) for o, z, k in zip(offsets, sizes, counts.tolist())):
+        return [t for t in range(m) if offsets[t].shape != sizes[t].shape or offsets[t].shape[1:] != (ndim,)]
+    whole = np.asarray(shapes, dtype=np.int64).reshape(m, ndim)
+    owner = np.repeat(np.arange(m), counts)
+    o = np.concatenate(offsets).reshape(n, ndim) if n else np.zeros((0, ndim), dtype=np.int64)
+    z = np.concatenate(sizes).reshape(n, ndim) if n else np.zeros((0, ndim), dtype=np.int64)
+    w = whole[owner]
+    suspect = np.zeros(m, dtype=bool)
+    np.logical_or.at(suspect, owner, ((o < 0) | (z < 0) | (o + z > w)).any(axis=1))
+    volume = z.prod(axis=1)
+    covered = np.bincount(owner, weights=volume, minlength=m) if n else np.zeros(m)
+    suspect |= covered != whole.prod(axis=1)  # holes, or (without overlaps) too much
+    if ndim and n:
+        live = volume > 0
+        cut = np.zeros((m, ndim), dtype=bool)
+        np.logical_or.at(cut, owner[live], ~((o[live] == 0) & (z[live] == w[live])))
+        several = cut.sum(axis=1) > 1
+        suspect |= several
+        dim = np.where(cut.any(axis=1), cut.argmax(axis=1), 0)  # the one dim a tensor's chunks cut
+        rows = np.flatnonzero(live & ~several[owner])
+        t = owner[rows]
+        start = o[rows, dim[t]]
+        order = np.lexsort((start, t))
+        t, start, end = t[order], start[order], (start + z[rows, dim[owner[rows]]])[order]
+        clash = (t[1:] == t[:-1]) & (start[1:] < end[:-1])
+        suspect[t[1:][clash]] = True
+    return np.flatnonzero(suspect).tolist()
 
 
 def tiles_columns(shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) -> str | None:

@@ -32,8 +32,9 @@ import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+from reshard.gc_pause import without_gc
 from reshard.errors import UsageError, option
 
 if TYPE_CHECKING:
@@ -115,9 +116,9 @@ _GIVEN, _RECORDED = "as given", "recorded by the checkpoint's reader"
 _PROVENANCE = ("hf.", "reshard.")
 
 
-@dataclass(frozen=True)
-class Place:
-    """What a name is. ``prefix + fqn + suffix`` is the name when ``fqn`` is set."""
+class Place(NamedTuple):
+    """What a name is. ``prefix + fqn + suffix`` is the name when ``fqn`` is set. A tuple: a
+    layout places every name of a checkpoint, 100k+ of them, for each candidate convention."""
 
     role: str
     fqn: str | None = None
@@ -137,9 +138,27 @@ def _has_per_rank_part(name: str) -> bool:
     return any(_per_rank_part(p) for p in name.split("."))  # asked once per convention: cached
 
 
+@functools.lru_cache(maxsize=64)
+def _globs_regex(globs: tuple[str, ...]) -> re.Pattern | None:
+    return re.compile("|".join(fnmatch.translate(g) for g in globs)) if globs else None
+
+
 def is_per_rank(name: str, globs: tuple[str, ...] = ()) -> bool:
     """Whether ``name`` holds one rank's private state (by a convention's globs or its parts)."""
-    return any(fnmatch.fnmatchcase(name, g) for g in globs) or _has_per_rank_part(name)
+    pattern = _globs_regex(globs)
+    return (pattern is not None and pattern.match(name) is not None) or _has_per_rank_part(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _section_test(sections: tuple[str, ...]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """(prefixes, whole names) of ``sections``: ``in_sections`` in two C calls, not a loop."""
+    return sections, frozenset(s.rstrip(".") for s in sections)
+
+
+def in_sections(name: str, sections: tuple[str, ...]) -> bool:
+    """Whether ``name`` lies in one of ``sections`` (``"optim."`` holds ``optim.x`` and ``optim``)."""
+    prefixes, whole = _section_test(sections)
+    return name.startswith(prefixes) or name in whole
 
 
 class Layout:
@@ -189,8 +208,7 @@ class Layout:
             return Place(PER_RANK)
         if c.model != "":
             return Place(OTHER)
-        sections = c.sections + ((c.optimizer,) if c.optimizer else ()) + _PROVENANCE
-        if any(name.startswith(s) or name == s.rstrip(".") for s in sections):
+        if in_sections(name, c.sections + ((c.optimizer,) if c.optimizer else ()) + _PROVENANCE):
             return Place(OTHER)
         return Place(PARAM, name)
 
@@ -302,7 +320,7 @@ def _evidence(convention: Convention, catalog: Catalog) -> _Evidence | None:
         return None
     sections = convention.sections + _PROVENANCE
     unexplained = tuple(n for n, p in places if p.role == OTHER and catalog.tensors[n].shape
-                        and not any(n.startswith(s) or n == s.rstrip(".") for s in sections))
+                        and not in_sections(n, sections))
     return _Evidence(convention, groups, len(params), matched + (by_id if params else 0), bool(by_id and not matched),
                      unexplained, nested, markers, alone)
 
@@ -347,6 +365,7 @@ def detect_layout(catalog: Catalog, override: str | None = None, *, refuse_ambig
     return cache[key]
 
 
+@without_gc
 def _detect(catalog: Catalog, override: str | None, refuse_ambiguous: bool) -> Layout:
     tensors, objects = list(catalog.tensors), list(catalog.objects)
     choice = override or catalog.attrs.get("layout")

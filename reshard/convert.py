@@ -14,6 +14,7 @@ from reshard.conventions import detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError, option
+from reshard.gc_pause import paused_gc
 from reshard.protocol import Writer
 from reshard.pieces import OutputFile
 from reshard.formats.registry import (FORMATS, default_suffix, format_for_destination, format_options, get_format,
@@ -160,7 +161,8 @@ def convert(
     if to is None:
         named_as = dst_path if dst_path is not None else Path(remote_dst.split("://", 1)[1]) if remote_dst else None
         to = destination_format(named_as) if named_as is not None else "dcp"
-    catalog, to, target, spec = build_target(catalog, to, opts)
+    with paused_gc():  # 100k+ tensors: entries, pieces and boxes by the hundred thousand, no cycles
+        catalog, to, target, spec = build_target(catalog, to, opts)
     if remote_dst is not None and to not in remote_writes():
         what = "per-rank torch files" if to == "torch-ranks" else to
         raise UsageError(f"{remote_dst}: reshard writes {', '.join(remote_writes())} to URLs, not {what}; "
@@ -173,8 +175,9 @@ def convert(
                                        mesh_label=spec.label if spec else None, dtype=cast)
     check_output_options(dst_path if dst_path is not None else Path(remote_dst), to, opts)
     writer = get_format(to).writer(dst_path if dst_path is not None else remote_dst, opts)
-    files = writer.layout(target)
-    plan = make_plan(catalog, files)
+    with paused_gc():
+        files = writer.layout(target)
+        plan = make_plan(catalog, files)
     notices = target.notices + list(writer.notices(target))
     out = dst_path if dst_path is not None else remote_dst
 

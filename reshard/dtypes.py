@@ -24,5 +24,13 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return dtype
 
 
+_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    """``float32`` for ``torch.float32``: asked once per tensor of a report; ``str()`` of a
+    torch dtype is a few microseconds, so the names are kept."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name

@@ -37,6 +37,7 @@ from reshard.pieces import OutputFile, Piece
 from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool
+from reshard.gc_pause import without_gc
 from reshard.storage import RemotePath
 from reshard.progress import Progress
 from reshard.regions import (BAND_BYTES, StoredRegion, as_region, bytes_of_run, fill_in_bands, read_exact,
@@ -361,14 +362,16 @@ class Engine:
         bounding box once. Alone, each of k column shards reads whole rows of a row-major
         source for its 1/k of the columns: k times the bytes. Pieces the kernel copies, and
         groups whose bounding box is mostly gaps or too wide for a slab, stay alone."""
-        groups: dict[tuple, list[tuple[str, int, Piece]]] = {}
+        rows: dict[tuple, list[tuple[str, int, Piece]]] = {}
         for item in work:
-            piece = item[2]
-            box = piece.box
-            if box.ndim >= 2 and box.numel and self._kernel_plan(piece, plan.sources[piece]) is None:
-                groups.setdefault((piece.name, piece.dtype, box.offsets[0], box.sizes[0]), []).append(item)
+            box = item[2].box
+            if box.ndim >= 2 and box.numel:
+                rows.setdefault((item[2].name, item[2].dtype, box.offsets[0], box.sizes[0]), []).append(item)
         grouped: dict[int, _RowGroup] = {}  # id(piece) -> its group, when grouped
-        for items in groups.values():
+        for items in rows.values():
+            if len(items) < 2:  # most pieces: nothing shares their rows, so no source is located here
+                continue
+            items = [it for it in items if self._kernel_plan(it[2], plan.sources[it[2]]) is None]
             group = self._row_group(items, plan) if len(items) > 1 else None
             if group is not None:
                 grouped.update({id(p): group for _, _, p in items})
@@ -424,6 +427,7 @@ class Engine:
                 with outs.use(paths[rel]) as fd:
                     self._start_writeback(fd, off, piece.nbytes)
 
+    @without_gc  # a chunk located per piece makes objects by the hundred thousand (reshard/gc_pause.py)
     def run(self, plan: Plan, root: Path, output_is_dir: bool, *, digests: bool = False) -> EngineStats:
         """Write every file of ``plan`` under ``root`` (a directory, or the file itself).
 

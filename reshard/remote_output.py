@@ -36,6 +36,7 @@ import torch
 
 from reshard.catalog import Target
 from reshard.errors import OutputExistsError, option
+from reshard.gc_pause import without_gc
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile, Piece
 from reshard.protocol import Writer
@@ -107,6 +108,7 @@ def _put_file(dest: RemotePath, file: OutputFile, plan: Any, slab_bytes: int) ->
     return written
 
 
+@without_gc
 def write_remote(url: str, plan: Any, target: Target, writer: Writer, files: list[OutputFile], options: ConvertOptions,
                  storage_options: dict[str, Any] | None = None) -> int:
     """Write ``files`` (laid out by ``writer``) at ``url``; returns the data bytes put.

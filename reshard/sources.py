@@ -11,6 +11,7 @@ from pathlib import Path
 
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointNotFoundError, ReshardError
+from reshard.gc_pause import without_gc
 from reshard.storage import RemotePath, is_url
 
 __all__ = ["Source", "read_catalog", "resolve_source", "local_path"]
@@ -40,6 +41,7 @@ class Source:
         return self.path.name if self.path is not None else str(self.location)
 
 
+@without_gc
 def resolve_source(src: str | os.PathLike, storage_options: dict | None = None) -> Source:
     """Read ``src``'s catalog (metadata only) wherever it is. ``storage_options``: fsspec
     arguments for a URL (beside the CLI's ``--storage-options``)."""

@@ -22,6 +22,7 @@ from reshard.boxes import c_order_slabs, full_box
 from reshard.catalog import Catalog, TensorEntry
 from reshard.dtypes import dtype_name
 from reshard.engine import assemble
+from reshard.gc_pause import without_gc
 from reshard.errors import UsageError, option
 from reshard.plan import sources_for
 from reshard.progress import Progress
@@ -207,6 +208,7 @@ def _check_tolerance(value: float | None, name: str) -> None:
         raise UsageError(f"{option(f'--{name} {value}', f'{name}={value!r}')}: a tolerance must be a finite number >= 0")
 
 
+@without_gc
 def verify(
     a: str | os.PathLike,
     b: str | os.PathLike,

@@ -120,16 +120,17 @@ def _lazy_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, table: Ch
                 file_paths: list[Path]) -> TensorEntry:
     """``file_paths``: the folder's data files as paths, made once for all tensors (a path per
     chunk cost more than the rest of planning)."""
-    rows = table.nonempty()
+    # No empty shards (the usual case): the columns as they are, not copies.
+    rows = None if table.sizes.all() else table.nonempty()
 
     def make(i: int, box: Box) -> ChunkData:
-        k = int(rows[i])
+        k = i if rows is None else int(rows[i])
         return _LazyChunk(file_paths[table.file[k]], name, table.record(k), box, dtype)
 
     def paths() -> set[Path]:
-        return {file_paths[f] for f in np.unique(table.file[rows]).tolist()}
+        return {file_paths[f] for f in np.unique(table.file if rows is None else table.file[rows]).tolist()}
 
-    if len(rows) == len(table.offsets):  # no empty shards (the usual case): the columns as they are, not copies
+    if rows is None:
         return IndexedTensorEntry(name, shape, dtype, table.offsets, table.sizes, make, paths)
     return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make, paths)
 

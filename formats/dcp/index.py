@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reshard.boxes import tiles_columns
+from reshard.boxes import tiles_columns, tiling_suspects
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError
 from reshard.formats.dcp.metadata import DCPIndex, read_metadata_file
 from reshard.formats.dcp.ranks import merged_rank_index, rank_metadata_files
@@ -24,9 +24,17 @@ def load_dcp_index(root: Path) -> DCPIndex:
         if not ranks:
             raise CheckpointNotFoundError(f"{root}: no .metadata file; not a DCP checkpoint folder")
         index, where = merged_rank_index(root, ranks), f"{root}/__*.metadata"
+    by_rank: dict[int, list[str]] = {}
     for name, (shape, _, _) in index.tensors.items():
+        by_rank.setdefault(len(shape), []).append(name)
+    suspects = []
+    for names in by_rank.values():
+        tables = [index.table(n) for n in names]
+        found = tiling_suspects([index.tensors[n][0] for n in names], [t.offsets for t in tables], [t.sizes for t in tables])
+        suspects += [names[k] for k in found]
+    for name in sorted(suspects, key=list(index.tensors).index):  # the first in the file's order is reported
         table = index.table(name)
-        problem = tiles_columns(shape, table.offsets, table.sizes)
+        problem = tiles_columns(index.tensors[name][0], table.offsets, table.sizes)
         if problem:
             raise CorruptCheckpointError(f"{where}: {name!r}: {problem}")
     return index

@@ -12,7 +12,6 @@ A folder saved with ``use_collectives=False`` has no ``.metadata`` but one
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import compress
@@ -25,6 +24,7 @@ import torch
 
 from reshard import _torch_compat
 from reshard.boxes import Box
+from reshard.gc_pause import paused_gc
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
 from reshard.safe_pickle.unpickler import safe_loads
 
@@ -420,13 +420,8 @@ def _unpickled(meta_path: Path) -> Any:
     """``.metadata`` unpickled with the cyclic garbage collector paused: a 256-rank file makes
     millions of objects, none in a reference cycle, and the collector's passes over them were
     a third of the unpickling time."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_gc():
         return safe_loads(meta_path.read_bytes(), _GLOBALS, origin=meta_path)
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:

@@ -16,6 +16,7 @@ from typing import Any
 
 from reshard.catalog import Target
 from reshard.errors import OutputExistsError, option
+from reshard.gc_pause import without_gc
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile
 from reshard.remote_output import slabs_of
@@ -53,6 +54,7 @@ def _put_chunk(store: RemoteStore, key: str, layout: OutputFile, full: int, plan
     return full
 
 
+@without_gc
 def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, options: ConvertOptions) -> int:
     """Write ``plan`` (laid out by ``writer``) as a zarr store at ``url``; returns bytes put.
     Memory: each worker holds one slab (raw) or one chunk and its zstd form (compressed)."""

@@ -10,7 +10,7 @@ only; state shaped like its parameter is permuted, split or merged with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from reshard.boxes import Box
@@ -57,7 +57,7 @@ def _routed(km: Router, place: Place) -> tuple[Place, Route] | None:
     route = km.route(place.fqn)
     if route is None and not place.prefix and place.fqn.startswith("model."):
         # A flat ``model.<fqn>`` (no nesting to say whether model is a section): try it as one.
-        place = replace(place, fqn=place.fqn.removeprefix("model."), prefix="model.")
+        place = place._replace(fqn=place.fqn.removeprefix("model."), prefix="model.")
         route = km.route(place.fqn)
     return None if route is None else (place, route)
 

@@ -1,0 +1,44 @@
+"""Pausing Python's cyclic garbage collector around builds of many small objects.
+
+Reading a catalog, detecting its layout and planning a conversion make hundreds of thousands
+of objects (entries, places, pieces, boxes) and no reference cycles. The collector's passes
+start every 700 allocations and, as the heap grows, walk all of it: on a 100k-tensor DCP they
+cost more than the work they interrupt (``inspect`` 11.2 s with them, 7.1 s without).
+Reference counting still frees everything these builds drop.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import ParamSpec, TypeVar
+
+__all__ = ["paused_gc", "without_gc"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The collector off inside, back as it was after (nesting is fine)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def without_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` run under ``paused_gc``."""
+
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with paused_gc():
+            return fn(*args, **kwargs)
+
+    return run
