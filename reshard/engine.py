@@ -268,12 +268,19 @@ _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs a
 _JOBS_IN_FLIGHT = 4  # per worker: enough queued that no worker waits for the next job
 
 
+# An object store answers each request after tens of milliseconds whatever its size: reading
+# one, a worker mostly waits, so more of them keep more requests in flight (the budget is
+# shared out among them as for local reads).
+REMOTE_WORKERS = 16
+
+
 class Engine:
     def __init__(self, max_memory: int, *, workers: int | None = None, progress: bool = True,
                  desc: str = "writing", fsync: bool = False) -> None:
         self.max_memory = max_memory
         self.fsync = fsync
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
+        self._workers_given = workers is not None
         self.show_progress = progress
         self.desc = desc
         self._stop = threading.Event()
@@ -288,6 +295,8 @@ class Engine:
         (``_DECODE_COPIES + 1`` chunks in all) is refused, naming the budget it needs."""
         whole = plan.decoded_chunk_bytes
         if not whole:
+            if plan.remote and not self._workers_given:
+                return max(self.workers, REMOTE_WORKERS), self.max_memory
             return self.workers, self.max_memory
         need = (_DECODE_COPIES + 1) * whole
         if need > self.max_memory:

@@ -20,6 +20,7 @@ from reshard.catalog import (Catalog, Chunk, IndexedTensorEntry, NestedPath, Obj
 from reshard.conventions import PARAM, Layout, detect_layout
 from reshard.errors import UsageError, option
 from reshard.pieces import OutputFile, Piece
+from reshard.storage import RemotePath
 from reshard.structure import CONTAINERS_ATTR
 
 __all__ = ["Plan", "PieceSources", "Source", "Casting", "full_target", "make_plan", "model_section", "select", "sources_for"]
@@ -74,6 +75,7 @@ class Plan:
     files: list[OutputFile]
     sources: PieceSources
     decoded_chunk_bytes: int = 0  # the largest source chunk decoded whole (compressed zarr), 0 if none
+    remote: bool = False  # the sources are read from an object store (request latency, not CPU, bounds a worker)
 
     @property
     def total_bytes(self) -> int:
@@ -83,7 +85,7 @@ class Plan:
         """The plan for some of the files only (one rank's share under torchrun)."""
         files = [self.files[i] for i in indices]
         sources = self.sources.subset(seg for f in files for seg in f.segments if isinstance(seg, Piece))
-        return Plan(files, sources, sources.largest_decoded_chunk() if self.decoded_chunk_bytes else 0)
+        return Plan(files, sources, sources.largest_decoded_chunk() if self.decoded_chunk_bytes else 0, self.remote)
 
     def pieces(self) -> Iterable[tuple[OutputFile, int, Piece]]:
         """(file, byte offset in file, piece) for every piece, in file order."""
@@ -219,4 +221,4 @@ def make_plan(catalog: Catalog, files: list[OutputFile]) -> Plan:
         if covered != seg.box.numel:
             raise UsageError(f"{catalog.path}: {seg.name!r} box {seg.box} is only {covered}/{seg.box.numel} covered by stored chunks")
         decoded = max(decoded, max(map(_decoded_bytes, sources), default=0))
-    return Plan(files, PieceSources(catalog.tensors, pieces), decoded)
+    return Plan(files, PieceSources(catalog.tensors, pieces), decoded, isinstance(catalog.path, RemotePath))

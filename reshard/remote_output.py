@@ -25,7 +25,6 @@ not detected (there is no lock file to take).
 
 from __future__ import annotations
 
-import os
 import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,12 +34,13 @@ from typing import Any
 import torch
 
 from reshard.catalog import Target
+from reshard.engine import REMOTE_WORKERS
 from reshard.errors import OutputExistsError, option
 from reshard.gc_pause import without_gc
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile, Piece
 from reshard.protocol import Writer
-from reshard.storage import RemotePath
+from reshard.storage import RemotePath, forget_cached
 
 __all__ = ["write_remote", "slabs_of", "MARKERS"]
 
@@ -114,8 +114,9 @@ def write_remote(url: str, plan: Any, target: Target, writer: Writer, files: lis
     """Write ``files`` (laid out by ``writer``) at ``url``; returns the data bytes put.
     Memory: each worker holds one slab and what the store buffers of a part upload."""
     root = RemotePath.from_url(url, storage_options)
+    forget_cached(root)
     _clear(root, options.overwrite)
-    n = options.workers or max(1, min(4, os.cpu_count() or 1, len(files)))
+    n = options.workers or max(1, min(REMOTE_WORKERS, len(files)))  # each mostly waits on the store
     slab = max(1 << 16, options.budget // (3 * n))
     put: list[RemotePath] = []
 

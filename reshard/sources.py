@@ -12,7 +12,7 @@ from pathlib import Path
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointNotFoundError, ReshardError
 from reshard.gc_pause import without_gc
-from reshard.storage import RemotePath, is_url
+from reshard.storage import RemotePath, forget_cached, is_url
 
 __all__ = ["Source", "read_catalog", "resolve_source", "local_path"]
 
@@ -55,6 +55,7 @@ def resolve_source(src: str | os.PathLike, storage_options: dict | None = None) 
         if cached is not None:
             return Source(str(src), detect_format(cached).read(cached), cached, None)
         remote = RemotePath.from_url(str(src), storage_options)
+        forget_cached(remote)  # a new command reads it afresh
         try:
             return Source(str(src), detect_format(remote).read(remote), None, None)
         except OSError as e:  # the store's own errors (offline, denied, unreachable): one line naming SRC

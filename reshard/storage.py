@@ -21,6 +21,8 @@ import fnmatch
 import json
 import os
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -28,7 +30,7 @@ from typing import Any, BinaryIO
 from reshard.errors import UsageError
 
 __all__ = ["is_url", "RemotePath", "RemoteFile", "as_location", "open_read", "handle_size", "close", "pread_into",
-           "set_default_storage_options", "parse_storage_options", "storage_options_for"]
+           "set_default_storage_options", "parse_storage_options", "storage_options_for", "forget_cached", "will_read"]
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
 _defaults: dict[str, Any] = {}
@@ -203,26 +205,137 @@ class RemotePath:
         return self.fs.open(self.path, mode)
 
 
+_BLOCK = 256 << 10  # small reads fetch this much around them (a request costs its latency more than its bytes)
+_BLOCKS = 64  # blocks kept, over all remote files: 16 MiB
+_RECORD = 2 << 20  # a record up to this size is fetched whole when a reader is about to parse it
+_RECORDS = 256  # records kept, and at most _RECORD_BYTES of them
+_RECORD_BYTES = 48 << 20
+
+
+class _SmallReads:
+    """Blocks around the small reads of headers (a zip's end record, then its central
+    directory, then each local header; a safetensors length, then its JSON): each read would
+    otherwise be its own request, and a request to an object store costs milliseconds. One
+    bounded LRU shared by every handle, since the readers open a file afresh for each record.
+    Slabs of tensor data are larger than a block and go straight to the store."""
+
+    def __init__(self) -> None:
+        self._records: OrderedDict[tuple[int, str, int], bytes] = OrderedDict()
+        self._record_bytes = 0
+        self._blocks: OrderedDict[tuple[int, str, int], bytes] = OrderedDict()
+        self._sizes: dict[tuple[int, str], int] = {}
+        self._lock = threading.Lock()
+
+    def size(self, path: RemotePath) -> int:
+        key = (id(path.fs), path.path)
+        found = self._sizes.get(key)
+        if found is None:
+            try:
+                found = self._sizes[key] = int(path.fs.size(path.path))
+            except FileNotFoundError:
+                raise FileNotFoundError(2, "No such file or directory", str(path)) from None
+        return found
+
+    def prefetch(self, path: RemotePath, start: int, length: int) -> None:
+        """Fetch ``length`` bytes at ``start`` in one request, for the reads about to follow (a
+        DCP record: its sniffed head, its zip directory at the end, then its tensor bytes)."""
+        key = (id(path.fs), path.path, start)
+        with self._lock:
+            if key in self._records:
+                self._records.move_to_end(key)
+                return
+        data = path.fs.cat_file(path.path, start=start, end=start + length)
+        with self._lock:
+            self._records[key] = data
+            self._record_bytes += len(data)
+            while len(self._records) > _RECORDS or self._record_bytes > _RECORD_BYTES:
+                self._record_bytes -= len(self._records.popitem(last=False)[1])
+
+    def prefetched(self, path: RemotePath, offset: int, end: int) -> memoryview | None:
+        fs = id(path.fs)
+        with self._lock:
+            for (f, p, start), data in reversed(self._records.items()):
+                if f == fs and p == path.path and start <= offset and end <= start + len(data):
+                    return memoryview(data)[offset - start: end - start]
+        return None
+
+    def block(self, path: RemotePath, index: int, size: int) -> bytes:
+        key = (id(path.fs), path.path, index)
+        with self._lock:
+            data = self._blocks.get(key)
+            if data is not None:
+                self._blocks.move_to_end(key)
+                return data
+        start = index * _BLOCK
+        data = path.fs.cat_file(path.path, start=start, end=min(start + _BLOCK, size))
+        with self._lock:
+            self._blocks[key] = data
+            while len(self._blocks) > _BLOCKS:
+                self._blocks.popitem(last=False)
+        return data
+
+
+    def forget(self, root: RemotePath) -> None:
+        """Drop what is known of ``root`` and everything under it (it is about to change, or a
+        new command starts reading it)."""
+        fs, prefix = id(root.fs), root.path.rstrip("/")
+
+        def under(path: str) -> bool:
+            return path == prefix or path.startswith(prefix + "/")
+
+        with self._lock:
+            for key in [k for k in self._blocks if k[0] == fs and under(k[1])]:
+                del self._blocks[key]
+            for key in [k for k in self._records if k[0] == fs and under(k[1])]:
+                self._record_bytes -= len(self._records.pop(key))
+            for key in [k for k in self._sizes if k[0] == fs and under(k[1])]:
+                del self._sizes[key]
+
+
+_small_reads = _SmallReads()
+
+
+def will_read(path: Any, start: int, length: int) -> None:
+    """A hint that ``length`` bytes at ``start`` of ``path`` are about to be read in several
+    small reads: a remote file fetches them in one request (up to ``_RECORD``); a local file
+    does nothing."""
+    if isinstance(path, RemotePath) and 0 < length <= _RECORD:
+        _small_reads.prefetch(path, start, length)
+
+
+def forget_cached(root: RemotePath) -> None:
+    """Forget the sizes and header blocks read under ``root`` (see ``_SmallReads``)."""
+    _small_reads.forget(root)
+
+
 class RemoteFile:
-    """An open remote file: its size, and ranged reads (one request each, no read-ahead
-    cache: the engine asks for exactly the slabs it needs)."""
+    """An open remote file: its size, and ranged reads. A read of a block or more is one
+    request for exactly its bytes; smaller reads are served from ``_SmallReads``."""
 
     __slots__ = ("path", "size")
 
     def __init__(self, path: RemotePath) -> None:
         self.path = path
-        try:
-            self.size = int(path.fs.size(path.path))
-        except FileNotFoundError:
-            raise FileNotFoundError(2, "No such file or directory", str(path)) from None
+        self.size = _small_reads.size(path)
 
     def read_into(self, view: memoryview, offset: int) -> int:
         end = min(offset + view.nbytes, self.size)
         if end <= offset:
             return 0
-        data = self.path.fs.cat_file(self.path.path, start=offset, end=end)
-        view[: len(data)] = data
-        return len(data)
+        held = _small_reads.prefetched(self.path, offset, end)
+        if held is not None:
+            view[: len(held)] = held
+            return len(held)
+        if end - offset >= _BLOCK:
+            data = self.path.fs.cat_file(self.path.path, start=offset, end=end)
+            view[: len(data)] = data
+            return len(data)
+        index = offset // _BLOCK
+        block = _small_reads.block(self.path, index, self.size)
+        at = offset - index * _BLOCK
+        n = min(end - offset, len(block) - at)  # up to the block's end; the caller asks again for the rest
+        view[:n] = block[at: at + n]
+        return n
 
     def close(self) -> None:
         pass

@@ -38,6 +38,8 @@ path, --dtype, re-layouts, key maps, zarr --compress, MoE and FP8 exports, again
     python scripts/bench.py --no-load                      # the conversion table only
     python scripts/bench.py --scale                        # metadata-only 405B DCP, 64..2048 ranks
     python scripts/bench.py --paths                        # peak RSS of each memory path at 256MiB
+    python scripts/bench.py --many                         # 103,680 tensors: inspect, --to-mesh 4, memory
+    python scripts/bench.py --remote --size-mb 256         # from and to s3:// (a local S3 emulator)
 """
 
 from __future__ import annotations
@@ -604,6 +606,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     mode.add_argument("--scale", action="store_true",
                       help="metadata-only Llama-405B DCP at --world-sizes ranks: inspect, inspect --to-mesh 32x8 and "
                            "convert --to-mesh 32x8 --dry-run beside torch's read_metadata (scripts/bench_scale.py)")
+    mode.add_argument("--many", action="store_true",
+                      help="a DCP of 103,680 small tensors: inspect beside torch's read_metadata, --to-mesh 4 against "
+                           "the budget, -> safetensors beside torch's dcp_to_torch (scripts/bench_many.py)")
+    mode.add_argument("--remote", action="store_true",
+                      help="the checkpoint on a local S3 emulator (moto): reshard from and to s3:// beside torch's "
+                           "FsspecReader and a plain download (scripts/bench_remote.py)")
     mode.add_argument("--paths", action="store_true",
                       help="one row per memory path (--dtype, dim-0/dim-1 re-layout, key maps, zarr --compress, MoE "
                            "and FP8 exports): peak RSS above import torch against the budget (scripts/bench_paths.py)")
@@ -635,6 +643,12 @@ def _mode(args: argparse.Namespace) -> Callable[[argparse.Namespace, Path], tupl
     if args.paths:
         from bench_paths import run_paths
         return run_paths
+    if args.many:
+        from bench_many import run_many
+        return run_many
+    if args.remote:
+        from bench_remote import run_remote
+        return run_remote
     return run_flat_check if args.flat_check else run_table
 
 

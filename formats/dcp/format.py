@@ -35,6 +35,7 @@ from reshard.formats.dcp.zstd import ZstdChunk, load_zstd_object
 from reshard.pieces import OutputFile, Piece
 from reshard.formats.torch.zip import load_object_blob, read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
+from reshard.storage import will_read
 from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
 from reshard.options import ConvertOptions
@@ -103,6 +104,7 @@ class _LazyChunk:
 
     def resolve(self) -> ChunkData:
         if self._data is None:
+            will_read(self.path, self.rec.offset, self.rec.length)  # on an object store: one request, not one per header
             it = Item(self.name, self.rec, self.box, self.dtype)
             kind = sniff_record(self.path, it, allow_blob=False)
             self._data = _chunk_data(self.path.parent, it, Placed(kind), self.path)
