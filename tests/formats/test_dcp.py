@@ -168,3 +168,39 @@ def test_hostile_and_broken_metadata(fsdp2_dcp, tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointNotFoundError):
         fmt.read(tmp_path / "nothing")
+
+
+def test_chunk_tables_at_once_equal_tables_one_by_one(fsdp2_dcp) -> None:
+    """``_StorageRecords.tables`` (every tensor's fast-path checks in array operations) gives
+    what ``table`` gives tensor by tensor, on FSDP2's own 3-rank save, including a tensor whose
+    records contradict its chunks, which it hands to ``table``'s general path."""
+    import numpy as np
+
+    from reshard.formats.dcp import metadata as M
+
+    root = fsdp2_dcp[0]
+    meta = M._unpickled(root / ".metadata")
+    entries = [(name, list(md.chunks), len(md.size), name) for name, md in meta.state_dict_metadata.items()
+               if type(md) is M.TensorStorageMetadata]
+    assert any(len(chunks) == 3 for _, chunks, _, _ in entries)
+
+    def columns(t: M.ChunkTable) -> list:
+        return [t.offsets.tolist(), t.sizes.tolist(), t.file.tolist(), t.start.tolist(), t.length.tolist()]
+
+    for swap in (False, True):
+        records = M._StorageRecords(dict(meta.storage_data), root / ".metadata", M._Files(root, []))
+        if swap:  # two records of one tensor claim each other's chunk: the offsets then disagree
+            name = next(n for n, chunks, _, _ in entries if len(chunks) == 3)
+            a, b = records.by_name[name][:2].tolist()
+            records.hints[[a, b]] = records.hints[[b, a]]
+        together = records.tables(entries)
+        assert list(together) == [e[0] for e in entries]
+        for name, chunks, ndim, where in entries:
+            try:
+                alone = records.table(name, chunks, ndim, where)
+            except Exception as e:  # noqa: BLE001 - the same refusal either way
+                with pytest.raises(type(e)):
+                    records.tables([(name, chunks, ndim, where)])
+                continue
+            assert columns(together[name]) == columns(alone), name
+            assert isinstance(together[name].offsets, np.ndarray)
