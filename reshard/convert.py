@@ -160,7 +160,9 @@ def convert(
     to = opts.to
     if to is None:
         named_as = dst_path if dst_path is not None else Path(remote_dst.split("://", 1)[1]) if remote_dst else None
-        to = destination_format(named_as) if named_as is not None else "dcp"
+        to = destination_format(named_as, shown=remote_dst) if named_as is not None else "dcp"
+    if remote_dst is not None:
+        _refuse_overlap(src, remote_dst, opts.storage_options)
     with paused_gc():  # 100k+ tensors: entries, pieces and boxes by the hundred thousand, no cycles
         catalog, to, target, spec = build_target(catalog, to, opts)
     if remote_dst is not None and to not in remote_writes():
@@ -211,6 +213,19 @@ def convert(
     return result(time.perf_counter() - start, stats.kernel_bytes)
 
 
+def _refuse_overlap(src: str | os.PathLike, url: str, storage_options: dict | None) -> None:
+    """A URL output that is, holds or sits inside a URL source would delete the source's files
+    before they are read (there is no staging to write into first): refused, as a local DST
+    inside its SRC is."""
+    from reshard.storage import RemotePath, is_url
+
+    if not is_url(str(src)) or str(src).startswith("file://"):
+        return
+    a, b = RemotePath.from_url(str(src), storage_options), RemotePath.from_url(url, storage_options)
+    if a.protocol == b.protocol and (a.is_relative_to(b) or b.is_relative_to(a)):
+        raise UsageError(f"{url}: the output would overwrite or sit inside the source {src}; pick another URL")
+
+
 def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOptions:
     """``options`` with the keyword arguments' fields replaced (or the keyword arguments alone)."""
     from_kwargs = ConvertOptions.of(given)  # checks the names
@@ -224,12 +239,12 @@ _FOREIGN = {".onnx", ".gguf", ".ggml", ".h5", ".hdf5", ".keras", ".tflite", ".pb
             ".msgpack", ".engine", ".trt", ".mlmodel", ".tar", ".gz", ".tgz", ".zip", ".pkl", ".pickle"}
 
 
-def destination_format(dst: Path) -> str:
+def destination_format(dst: Path, shown: str | None = None) -> str:
     """``--to`` when only DST is given: by its suffix (``.ckpt`` is a torch.save file, as
     Lightning writes them); no suffix means a DCP folder; a suffix of some other tool's file
     is refused rather than becoming a DCP folder of that name."""
     if dst.suffix.lower() in _FOREIGN:
-        raise UsageError(f"{dst}: reshard does not write {dst.suffix} files; name a .safetensors, .pt/.pth/.bin/.ckpt "
+        raise UsageError(f"{shown or dst}: reshard does not write {dst.suffix} files; name a .safetensors, .pt/.pth/.bin/.ckpt "
                          "or .zarr output, a folder without a suffix (DCP), or give --to")
     if dst.suffix.lower() == ".ckpt":
         return "torch"

@@ -295,8 +295,13 @@ def verify_manifest(folder: str | os.PathLike) -> VerifyResult:
     the conversion (a tokenizer or README copied in) is not a failure of what reshard wrote,
     and is named in ``notes``. No manifest, or a malformed one, raises a ReshardError."""
     from reshard.manifest import MANIFEST_NAME, check_manifest
+    from reshard.sources import local_path
 
-    folder = Path(folder)
+    local = local_path(folder)
+    if local is None:
+        raise UsageError(f"{folder}: verify --quick checks a local folder's manifest; an output at a URL has none "
+                         "(object stores, docs/recipes/object-stores.md): compare it with its source, reshard verify SRC URL")
+    folder = local
     checked, problems = check_manifest(folder)
     result = VerifyResult(folder, folder / MANIFEST_NAME, compared=checked)
     added = [p.relpath for p in problems if p.kind == "not_in_manifest"]

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import reshard
 from reshard import remote_output
+from reshard.verify import verify_manifest
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError, UnsupportedFormatError, UsageError
 
 fsspec = pytest.importorskip("fsspec")
@@ -184,6 +185,15 @@ def test_what_cannot_go_to_a_url_is_refused(memfs: Any, tmp_path: Path) -> None:
         reshard.inspect("memory://ckpts/old.pt")
     with pytest.raises(UsageError, match="no fsspec filesystem handles nosuchproto://"):
         reshard.convert(tmp_path / "a.pt", "nosuchproto://x/y", quiet=True)
+
+    # an output onto, inside or around its URL source would delete it before reading it
+    reshard.convert(tmp_path / "a.pt", "memory://ckpts/src", quiet=True)
+    for dst in ("memory://ckpts/src", "memory://ckpts/src/inner", "memory://ckpts"):
+        with pytest.raises(UsageError, match="overwrite or sit inside the source"):
+            reshard.convert("memory://ckpts/src", dst, overwrite=True, quiet=True)
+    assert reshard.verify(tmp_path / "a.pt", "memory://ckpts/src").ok  # untouched
+    with pytest.raises(UsageError, match="verify --quick checks a local folder"):
+        verify_manifest("memory://ckpts/src")
 
 
 # -- s3:// on a local S3 emulator, through the command line
