@@ -172,6 +172,11 @@ class Layout:
         self.unexplained = unexplained  # non-scalar tensors it calls neither model nor optimizer state
         self._places: dict[str, Place] = {}
         self._names = list(names)
+        # Asked for every name, for every candidate convention: worked out once.
+        opt = convention.optimizer
+        self._state = opt + "state." if opt is not None else None
+        self._groups = opt + "param_groups." if opt is not None else None
+        self._sections = convention.sections + ((opt,) if opt else ()) + _PROVENANCE
 
     @property
     def name(self) -> str:
@@ -185,8 +190,8 @@ class Layout:
 
     def _place(self, name: str) -> Place:
         c = self.convention
-        if c.optimizer is not None:
-            state, groups = c.optimizer + "state.", c.optimizer + "param_groups."
+        state, groups = self._state, self._groups
+        if state is not None and groups is not None:
             if name.startswith(state) and c.state_order == "key-fqn":
                 key, _, fqn = name[len(state):].partition(".")
                 return Place(OPTIM_STATE, fqn, key, prefix=f"{state}{key}.") if fqn else Place(OTHER)
@@ -208,7 +213,7 @@ class Layout:
             return Place(PER_RANK)
         if c.model != "":
             return Place(OTHER)
-        if in_sections(name, c.sections + ((c.optimizer,) if c.optimizer else ()) + _PROVENANCE):
+        if in_sections(name, self._sections):
             return Place(OTHER)
         return Place(PARAM, name)
 
@@ -287,19 +292,24 @@ class _Evidence:
         return "; ".join(parts) or "no tensors"
 
 
-def _evidence(convention: Convention, catalog: Catalog) -> _Evidence | None:
+def _heads(catalog: Catalog) -> set[str]:
+    """The top-level sections of the catalog's names."""
+    return {n.split(".", 1)[0] for n in (*catalog.tensors, *catalog.objects)}
+
+
+def _evidence(convention: Convention, catalog: Catalog, heads: set[str] | None = None) -> _Evidence | None:
     """What ``convention`` explains of ``catalog``, or None when it cannot be the one: its
     markers are absent, its optimizer state finds no parameter, its optimizer keying contradicts
     the state's, or it would call ``model.`` a section although nothing says so (HF names start
     with ``model.`` too)."""
     tensors, objects = list(catalog.tensors), list(catalog.objects)
-    heads = {n.split(".", 1)[0] for n in tensors + objects}
+    heads = _heads(catalog) if heads is None else heads
     markers = tuple(m for m in convention.markers if m in heads)
     if convention.markers and not markers:
         return None
     groups = _groups_style(convention, objects)
     layout = Layout(convention, tensors + objects, groups)
-    places = [(n, layout.place(n)) for n in tensors]
+    places = [(n, layout._place(n)) for n in tensors]  # not kept: the layout chosen is made anew
     params = {p.fqn for _, p in places if p.role == PARAM}
     states = [p for _, p in places if p.role == OPTIM_STATE]
     matched = sum(1 for p in states if p.fqn in params)
@@ -375,7 +385,8 @@ def _detect(catalog: Catalog, override: str | None, refuse_ambiguous: bool) -> L
         c = _BY_NAME[choice]
         how = _GIVEN if override or catalog.attrs.get("layout_given") else _RECORDED
         return Layout(c, tensors + objects, _groups_style(c, objects), reason=how)
-    found = [e for c in CONVENTIONS if c.detected and (e := _evidence(c, catalog)) is not None]
+    heads = _heads(catalog)
+    found = [e for c in CONVENTIONS if c.detected and (e := _evidence(c, catalog, heads)) is not None]
     order = {c.name: i for i, c in enumerate(CONVENTIONS)}
     found.sort(key=lambda e: (-e.matched, tuple(-int(x) for x in e.criteria), order[e.convention.name]))
     best = found[0]
