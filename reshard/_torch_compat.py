@@ -42,9 +42,15 @@ def _strided_shard_type() -> type | None:
     return _StridedShard
 
 
-# FSDP2 over tensor parallelism shards a parameter's dim twice; the outer shard is a
-# ``_StridedShard`` whose pieces are not one box in general.
-STRIDED_SHARD: type | None = _strided_shard_type()
+def __getattr__(name: str) -> object:
+    """``STRIDED_SHARD``: FSDP2 over tensor parallelism shards a parameter's dim twice; the
+    outer shard is a ``_StridedShard`` whose pieces are not one box in general. Looked up on
+    first use: importing torch.distributed.tensor costs more than half a second, which
+    ``inspect`` and plain conversions do not need to pay."""
+    if name == "STRIDED_SHARD":
+        value = globals()["STRIDED_SHARD"] = _strided_shard_type()
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtensor_local_indices(shape: tuple[int, ...], mesh: object, placements: tuple) -> list[torch.Tensor] | None:
