@@ -42,6 +42,9 @@ def _strided_shard_type() -> type | None:
     return _StridedShard
 
 
+STRIDED_SHARD: type | None  # set by __getattr__ on first use
+
+
 def __getattr__(name: str) -> object:
     """``STRIDED_SHARD``: FSDP2 over tensor parallelism shards a parameter's dim twice; the
     outer shard is a ``_StridedShard`` whose pieces are not one box in general. Looked up on
