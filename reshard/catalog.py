@@ -91,25 +91,34 @@ class IndexedTensorEntry(TensorEntry):
     a time, as it plans that tensor."""
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, offsets: np.ndarray, sizes: np.ndarray,
-                 make: Callable[[int, Box], ChunkData], paths: Callable[[], set[Path]] | None = None) -> None:
+                 make: Callable[[int, Box], ChunkData], paths: Callable[[], set[Path]] | None = None, *,
+                 keep: bool = True) -> None:
         self.name, self.shape, self.dtype = name, shape, dtype
         self._offsets, self._sizes, self._make, self._paths = offsets, sizes, make, paths
         self._built: list[Chunk | None] | None = None
         self._complete = False
+        # False: chunks are made afresh each time they are asked for and never held (a reader
+        # that remembers what it located in columns of its own: 100k+ tensors' chunk objects,
+        # held, were hundreds of MiB).
+        self._keep = keep
 
     def chunk(self, i: int) -> Chunk:
         """Chunk ``i`` alone: planning a re-layout builds the chunks each piece reads, one
         tensor at a time, never a list of every chunk it does not need yet."""
-        if self._built is None:
-            self._built = [None] * len(self._offsets)
-        found = self._built[i]
+        found = self._built[i] if self._built is not None else None
         if found is None:
             box = Box(tuple(self._offsets[i].tolist()), tuple(self._sizes[i].tolist()))
-            found = self._built[i] = Chunk(box, self._make(i, box))
+            found = Chunk(box, self._make(i, box))
+            if self._keep:
+                if self._built is None:
+                    self._built = [None] * len(self._offsets)
+                self._built[i] = found
         return found
 
     @property  # type: ignore[override]
     def chunks(self) -> list[Chunk]:
+        if not self._complete and not self._keep:
+            return [self.chunk(i) for i in range(len(self._offsets))]
         if not self._complete:
             for i in range(len(self._offsets)):
                 self.chunk(i)
@@ -132,7 +141,8 @@ class IndexedTensorEntry(TensorEntry):
         return self._paths() if self._paths is not None else super().source_paths()
 
     def renamed(self, name: str) -> TensorEntry:
-        other = IndexedTensorEntry(name, self.shape, self.dtype, self._offsets, self._sizes, self._make, self._paths)
+        other = IndexedTensorEntry(name, self.shape, self.dtype, self._offsets, self._sizes, self._make, self._paths,
+                                   keep=self._keep)
         other._built, other._complete = self._built, self._complete
         return other
 

@@ -182,7 +182,7 @@ class _RowGroup:
 
 def _merged_sources(pieces: list[Piece], plan: Plan, box: Box) -> list[Source]:
     """Each chunk the pieces read, once, with its part of ``box``."""
-    chunks = {id(s.chunk): s.chunk for p in pieces for s in plan.sources[p]}
+    chunks = {s.chunk.box.offsets: s.chunk for p in pieces for s in plan.sources[p]}  # one tensor's: boxes differ
     return [Source(c, part) for c in chunks.values() if (part := c.box.intersect(box)) is not None]
 
 
@@ -374,7 +374,8 @@ class Engine:
         rows: dict[tuple, list[tuple[str, int, Piece]]] = {}
         for item in work:
             box = item[2].box
-            if box.ndim >= 2 and box.numel:
+            # Only a piece narrower than its tensor past dim 0 can share its rows with another.
+            if box.ndim >= 2 and box.numel and box.sizes[1:] != plan.sources.shape_of(item[2].name)[1:]:
                 rows.setdefault((item[2].name, item[2].dtype, box.offsets[0], box.sizes[0]), []).append(item)
         grouped: dict[int, _RowGroup] = {}  # id(piece) -> its group, when grouped
         for items in rows.values():

@@ -57,6 +57,10 @@ class PieceSources(Mapping[Piece, list[Source]]):
     def __contains__(self, piece: object) -> bool:
         return piece in self._pieces
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The global shape of tensor ``name``."""
+        return self._tensors[name].shape
+
     def subset(self, pieces: Iterable[Piece]) -> PieceSources:
         return PieceSources(self._tensors, (p for p in pieces if p in self._pieces))
 

@@ -16,6 +16,7 @@ read our output; ``.metadata`` is written last, which is what makes a DCP folder
 from __future__ import annotations
 
 import re
+from array import array
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,17 +98,34 @@ class _LazyChunk:
     zstd frame around one) is located and checked against ``.metadata`` then. Reading every
     archive's header up front would cost a read per chunk before ``inspect`` could print."""
 
-    __slots__ = ("path", "name", "rec", "box", "dtype", "_data")
+    __slots__ = ("path", "name", "table", "k", "located", "box", "dtype", "_data")
 
-    def __init__(self, path: Path, name: str, rec: StorageRecord, box: Box, dtype: torch.dtype) -> None:
-        self.path, self.name, self.rec, self.box, self.dtype, self._data = path, name, rec, box, dtype, None
+    def __init__(self, path: Path, name: str, table: ChunkTable, k: int, located: np.ndarray, box: Box,
+                 dtype: torch.dtype) -> None:
+        self.path, self.name, self.table, self.k, self.located = path, name, table, k, located
+        self.box, self.dtype, self._data = box, dtype, None
+
+    @property
+    def rec(self) -> StorageRecord:
+        return self.table.record(self.k)
 
     def resolve(self) -> ChunkData:
+        """The chunk's bytes, located once per record: a contiguous tensor's data offset is
+        kept in the tensor's ``located`` column, so a chunk made afresh for the next piece
+        that reads it (entries do not hold chunk objects) is not parsed again."""
         if self._data is None:
-            will_read(self.path, self.rec.offset, self.rec.length)  # on an object store: one request, not one per header
-            it = Item(self.name, self.rec, self.box, self.dtype)
+            at = int(self.located[self.k])
+            if at >= 0:
+                self._data = StoredRegion(self.path, at, self.dtype, self.box.sizes)
+                return self._data
+            rec = self.rec
+            will_read(self.path, rec.offset, rec.length)  # on an object store: one request, not one per header
+            it = Item(self.name, rec, self.box, self.dtype)
             kind = sniff_record(self.path, it, allow_blob=False)
-            self._data = _chunk_data(self.path.parent, it, Placed(kind), self.path)
+            data = _chunk_data(self.path.parent, it, Placed(kind), self.path)
+            if isinstance(data, StoredRegion) and data.is_contiguous:
+                self.located[self.k] = data.offset
+            self._data = data
         return self._data
 
     def region(self) -> StoredRegion | None:
@@ -124,17 +142,21 @@ def _lazy_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, table: Ch
     chunk cost more than the rest of planning)."""
     # No empty shards (the usual case): the columns as they are, not copies.
     rows = None if table.sizes.all() else table.nonempty()
+    located = np.full(len(table), -1, dtype=np.int64)  # each record's tensor data offset, once known
 
     def make(i: int, box: Box) -> ChunkData:
         k = i if rows is None else int(rows[i])
-        return _LazyChunk(file_paths[table.file[k]], name, table.record(k), box, dtype)
+        return _LazyChunk(file_paths[table.file[k]], name, table, k, located, box, dtype)
 
     def paths() -> set[Path]:
         return {file_paths[f] for f in np.unique(table.file if rows is None else table.file[rows]).tolist()}
 
+    # Chunk objects are not held, except zstd ones: each keeps its paused decompression stream
+    # for the next piece that reads on from where the last one stopped.
+    keep = bool(table.transforms)
     if rows is None:
-        return IndexedTensorEntry(name, shape, dtype, table.offsets, table.sizes, make, paths)
-    return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make, paths)
+        return IndexedTensorEntry(name, shape, dtype, table.offsets, table.sizes, make, paths, keep=keep)
+    return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make, paths, keep=keep)
 
 
 def _fast_path(root: Path, index: DCPIndex, records: RecordColumns) -> bool:
@@ -221,27 +243,40 @@ class DCPWriter:
     finish_rewrites_data = False
 
     def __init__(self) -> None:
-        self._records: dict[tuple[str, tuple[int, ...]], tuple[str, int, int]] = {}
+        # Where each chunk's record lies, in columns: (file, offset, length) per box, the boxes of
+        # a tensor in a row from ``_first[name]`` (a dict of tuples per box was ~140 MiB at 400k boxes).
+        self._first: dict[str, int] = {}
+        self._file, self._start, self._length = array("l"), array("q"), array("q")
+        self._relpaths: list[str] = []
+        self._objects: dict[str, tuple[str, int, int]] = {}
         self._blobs: dict[tuple[torch.dtype, tuple[int, ...]], tuple[list, int]] = {}
 
     def layout(self, target: Target) -> list[OutputFile]:
         files = [OutputFile(f"__{r}_0.distcp") for r in range(target.world_size)]
         sizes = [0] * target.world_size
-        self._records.clear()
+        self._first.clear()
+        self._objects.clear()
+        self._file, self._start, self._length = array("l"), array("q"), array("q")
+        self._relpaths = [f.relpath for f in files]
 
-        def add(rank: int, key: tuple[str, tuple[int, ...]], segments: list) -> None:
+        def add(rank: int, segments: list) -> tuple[int, int]:
             length = sum(s.nbytes if isinstance(s, Piece) else len(s) for s in segments)
-            self._records[key] = (files[rank].relpath, sizes[rank], length)
+            start = sizes[rank]
             files[rank].segments.extend(segments)
             sizes[rank] += length
+            return start, length
 
         for t in target.tensors.values():
+            self._first[t.name] = len(self._start)
             for box, rank in zip(t.boxes, t.ranks):
-                add(rank, (t.name, box.offsets), self._blob(Piece(t.name, box, t.dtype)))
+                start, length = add(rank, self._blob(Piece(t.name, box, t.dtype)))
+                self._file.append(rank)
+                self._start.append(start)
+                self._length.append(length)
         for name, value in target.objects.items():
             # What torch.save writes, without torch.save's imports: an opted-in class (an inert
             # stand-in) is written back under its own name (reshard.safe_pickle.unpickler.allow_classes).
-            add(0, (name, ()), [torch_save_bytes(value)])
+            self._objects[name] = (files[0].relpath, *add(0, [torch_save_bytes(value)]))
         # A rank that stores nothing (its shards are replicas kept by others) gets no file.
         return [f for i, f in enumerate(files) if f.segments or i == 0]
 
@@ -260,10 +295,12 @@ class DCPWriter:
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         def tensor_record(name: str) -> TensorRecord:
             t = target.tensors[name]
-            chunks = tuple(ChunkRecord(b.offsets, b.sizes, *self._records[(name, b.offsets)]) for b in t.boxes)
+            i = self._first[name]
+            chunks = tuple(ChunkRecord(b.offsets, b.sizes, self._relpaths[self._file[i + j]], self._start[i + j],
+                                       self._length[i + j]) for j, b in enumerate(t.boxes))
             return TensorRecord(t.dtype, t.shape, chunks)
 
-        objects = {name: self._records[(name, ())] for name in target.objects}
+        objects = {name: self._objects[name] for name in target.objects}
         # Paths as torch's dcp.save spells them (dict keys as strings), so torch's readers
         # rebuild what they would from their own save; the int keys and tuples it cannot
         # express ride beside them, for reshard's reader.
