@@ -310,3 +310,21 @@ def test_hf_url_is_read_from_the_local_cache_when_it_holds_the_weights(tmp_path:
     _assert_same(torch.load(tmp_path / "out.pt", weights_only=True), want)
     done = _cli("inspect", "hf://me/not-cached", env=env)
     assert done.returncode == 2 and "hf://me/not-cached" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_hf_folder_on_a_store_exports_with_its_assets(memfs: Any, tmp_path: Path) -> None:
+    """An HF folder on a store -> ``--to hf`` here: config and tokenizer files come from the
+    store, and transformers loads the result."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"version": "1.0"}')
+    for p in (tmp_path / "hf").iterdir():
+        memfs.put_file(str(p), f"/ckpts/hf/{p.name}")
+    reshard.convert("memory://ckpts/hf", tmp_path / "out", to="hf", quiet=True)
+    assert (tmp_path / "out" / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    _assert_same(again.state_dict(), model.state_dict())

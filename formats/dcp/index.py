@@ -32,7 +32,8 @@ def load_dcp_index(root: Path) -> DCPIndex:
         tables = [index.table(n) for n in names]
         found = tiling_suspects([index.tensors[n][0] for n in names], [t.offsets for t in tables], [t.sizes for t in tables])
         suspects += [names[k] for k in found]
-    for name in sorted(suspects, key=list(index.tensors).index):  # the first in the file's order is reported
+    order = {name: i for i, name in enumerate(index.tensors)}
+    for name in sorted(suspects, key=order.__getitem__):  # the first in the file's order is reported
         table = index.table(name)
         problem = tiles_columns(index.tensors[name][0], table.offsets, table.sizes)
         if problem:

@@ -28,6 +28,7 @@ from typing import Any
 
 from reshard.catalog import Catalog, TensorEntry, Target
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
+from reshard.storage import RemotePath
 from reshard.errors import UsageError
 from reshard.formats.hf.files import (ASSET_FILES, find_assets, generation_config, llama_config, model_card, with_dtype,
                                       write_json, written_dtype)
@@ -184,8 +185,11 @@ class HFWriter(SafetensorsWriter):
         config, gen = target.attrs.get("hf_config"), target.attrs.get("hf_generation_config")
         if config is not None:
             write_json(staging / "config.json", with_dtype(config, written_dtype(target)))
-        for name, source in (target.attrs.get("hf_assets") or {}).items():
-            shutil.copyfile(source, staging / name)  # tokenizer, chat template...: copied as they are
+        for name, source in (target.attrs.get("hf_assets") or {}).items():  # tokenizer, chat template...: as they are
+            if isinstance(source, RemotePath):
+                (staging / name).write_bytes(source.read_bytes())  # small files of an HF folder on a store
+            else:
+                shutil.copyfile(source, staging / name)
         if gen is not None and not (staging / "generation_config.json").exists():
             write_json(staging / "generation_config.json", gen)
         if config is not None:
