@@ -45,8 +45,9 @@ class _Record:
     __hash__ = None  # type: ignore[assignment]
 
     def __setstate__(self, state: Any) -> None:
+        fields = _as_dict(self, state)  # once per object: hundreds of thousands are unpickled
         for name in self.__slots__:
-            object.__setattr__(self, name, _as_dict(self, state).get(name))
+            object.__setattr__(self, name, fields.get(name))
 
     def __getattr__(self, name: str) -> Any:
         """A field the pickle never set (no BUILD): absent, as a missing key of its state is."""
