@@ -206,7 +206,7 @@ def convert(
             if world()[1] > 1:
                 raise UsageError(f"{remote_dst}: a URL output is written by one process; run it without torchrun")
 
-            write_remote(remote_dst, plan, target, writer, files, opts, opts.storage_options)
+            write_remote(remote_dst, plan, target, writer, files, opts)
         return result(time.perf_counter() - start)
     stats = write_output(plan, writer, target, files, dst_path, before, current_workers(), opts,
                          sources=(source.path,) if source.path is not None else (), label=source.label)

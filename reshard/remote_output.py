@@ -72,15 +72,13 @@ def _clear(root: RemotePath, overwrite: bool) -> None:
     """Refuse a URL that holds anything, or (``overwrite``) empty it, markers first."""
     if not root.exists():
         return
-    if root.is_file():
-        keys = [root.path]
-    else:
-        keys = sorted(root.fs.find(root.path, withdirs=False))
+    one_file = root.is_file()
+    keys = [root.path] if one_file else sorted(root.fs.find(root.path, withdirs=False))
     if not keys:
         return
     if not overwrite:
         names = {k.rsplit("/", 1)[-1] for k in keys}
-        what = "a checkpoint" if any(_is_marker(n) for n in names) or root.is_file() else "data (an unfinished write?)"
+        what = "a checkpoint" if one_file or any(_is_marker(n) for n in names) else "data (an unfinished write?)"
         raise OutputExistsError(f"{root} already holds {what}; pass {option('--overwrite', 'overwrite=True')} to replace it")
     keys.sort(key=lambda k: not _is_marker(k.rsplit("/", 1)[-1]))
     for key in keys:
@@ -109,11 +107,10 @@ def _put_file(dest: RemotePath, file: OutputFile, plan: Any, slab_bytes: int) ->
 
 
 @without_gc
-def write_remote(url: str, plan: Any, target: Target, writer: Writer, files: list[OutputFile], options: ConvertOptions,
-                 storage_options: dict[str, Any] | None = None) -> int:
+def write_remote(url: str, plan: Any, target: Target, writer: Writer, files: list[OutputFile], options: ConvertOptions) -> int:
     """Write ``files`` (laid out by ``writer``) at ``url``; returns the data bytes put.
     Memory: each worker holds one slab and what the store buffers of a part upload."""
-    root = RemotePath.from_url(url, storage_options)
+    root = RemotePath.from_url(url, options.storage_options)
     forget_cached(root)
     _clear(root, options.overwrite)
     n = options.workers or max(1, min(REMOTE_WORKERS, len(files)))  # each mostly waits on the store

@@ -24,7 +24,7 @@ from reshard.formats.zarr.format import ZarrWriter, write_metadata
 from reshard.formats.zarr.chunks import compress as zstd
 from reshard.formats.zarr.meta import ZARR_JSON
 from reshard.formats.zarr.store import RemoteStore
-from reshard.storage import RemotePath, forget_cached
+from reshard.storage import forget_cached
 
 __all__ = ["write_url"]
 
@@ -61,7 +61,7 @@ def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, options: 
     Memory: each worker holds one slab (raw) or one chunk and its zstd form (compressed)."""
     max_memory, overwrite, workers = options.budget, options.overwrite, options.workers
     store = RemoteStore(url, options.storage_options)
-    forget_cached(RemotePath(store.fs, store.root, url.split("://", 1)[0], url))
+    forget_cached(store.remote)
     if store.size(ZARR_JSON) is not None or store.listing(""):
         if not overwrite:
             what = "a zarr store" if store.size(ZARR_JSON) is not None else "data (an unfinished write?)"

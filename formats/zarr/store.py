@@ -81,9 +81,9 @@ class RemoteStore:
     root ``zarr.json`` last, so an interrupted write is not mistaken for a store."""
 
     def __init__(self, url: str | RemotePath, storage_options: dict[str, Any] | None = None) -> None:
-        remote = url if isinstance(url, RemotePath) else RemotePath.from_url(url, storage_options)
+        self.remote = url if isinstance(url, RemotePath) else RemotePath.from_url(url, storage_options)
         self.url = self.where = str(url)
-        self.fs, self.root = remote.fs, remote.path.rstrip("/")
+        self.fs, self.root = self.remote.fs, self.remote.path.rstrip("/")
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
