@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
+from reshard import dtypes
 from reshard.boxes import Box
+from reshard.dtypes import DType
 from reshard.sizes import format_size
 
 if TYPE_CHECKING:
+    import torch
+
     from reshard.mesh.sharding import MeshSpec, Placement
 
 __all__ = ["ChunkData", "Chunk", "TensorEntry", "IndexedTensorEntry", "Catalog", "NestedPath", "ObjectTable", "object_loader", "pick_objects",
@@ -50,8 +53,11 @@ class Chunk:
 class TensorEntry:
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType  # a torch dtype given here is taken as its DType
     chunks: list[Chunk] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.dtype = dtypes.of(self.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -90,10 +96,10 @@ class IndexedTensorEntry(TensorEntry):
     the per-rank report need only the columns, and a conversion builds one tensor's chunks at
     a time, as it plans that tensor."""
 
-    def __init__(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, offsets: np.ndarray, sizes: np.ndarray,
+    def __init__(self, name: str, shape: tuple[int, ...], dtype: DType, offsets: np.ndarray, sizes: np.ndarray,
                  make: Callable[[int, Box], ChunkData], paths: Callable[[], set[Path]] | None = None, *,
                  keep: bool = True) -> None:
-        self.name, self.shape, self.dtype = name, shape, dtype
+        self.name, self.shape, self.dtype = name, shape, dtypes.of(dtype)
         self._offsets, self._sizes, self._make, self._paths = offsets, sizes, make, paths
         self._built: list[Chunk | None] | None = None
         self._complete = False
@@ -261,11 +267,14 @@ class TargetTensor:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType  # a torch dtype given here is taken as its DType
     boxes: list[Box]
     ranks: list[int]
     local: list[Box] | None = None
     placements: tuple[Placement, ...] | None = None
+
+    def __post_init__(self) -> None:
+        self.dtype = dtypes.of(self.dtype)
 
     @property
     def nbytes(self) -> int:

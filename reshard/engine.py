@@ -27,24 +27,30 @@ from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
+from reshard import dtypes
 from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.catalog import ChunkData
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UsageError, option
 from reshard.pieces import OutputFile, Piece
 from reshard.manifest import FileDigest, file_digest
 from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool
 from reshard.gc_pause import without_gc
-from reshard.storage import RemotePath
+from reshard.storage import RemotePath, close, open_read
 from reshard.progress import Progress
-from reshard.regions import (BAND_BYTES, StoredRegion, as_region, bytes_of_run, fill_in_bands, read_exact,
+from reshard.regions import (BAND_BYTES, StoredRegion, array_run, as_array, as_region, bytes_of_run, fill_in_bands, read_exact,
                              read_in_place)
 from reshard.sizes import format_size
 
-__all__ = ["Engine", "EngineStats", "assemble", "fill_from_sources"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Engine", "EngineStats", "assemble", "assemble_bytes", "moves_bytes", "fill_from_sources"]
 
 _KERNEL_STEP = 1 << 30
 _FALLBACK_STEP = 8 << 20
@@ -74,23 +80,71 @@ def _read_part(data: ChunkData, box: Box, fds: FdPool | None, into: torch.Tensor
     return data.read(box)
 
 
-def _stored_dtype(src: Source) -> torch.dtype | None:
+def _stored_dtype(src: Source) -> DType | None:
     region = as_region(src.chunk.data)
     return None if region is None else region.dtype
 
 
-def _buffer(into: torch.Tensor | None, sizes: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _buffer(into: torch.Tensor | None, sizes: tuple[int, ...], dtype: DType) -> torch.Tensor:
     """A tensor of ``sizes`` and ``dtype`` in ``into`` (uint8 scratch) when given, else new."""
+    import torch
+
     nbytes = math.prod(sizes) * dtype.itemsize
     if into is None or into.numel() < nbytes:
-        return torch.empty(sizes, dtype=dtype)
-    return into[:nbytes].view(dtype).view(sizes)
+        return torch.empty(sizes, dtype=dtype.torch)
+    return into[:nbytes].view(dtype.torch).view(sizes)
+
+
+def moves_bytes(dtype: DType, sources: list[Source]) -> bool:
+    """Whether every source is stored bytes of ``dtype`` (a file region, no cast, nothing to
+    compute): then the piece is assembled by ``assemble_bytes``, without torch."""
+    return all((r := as_region(s.chunk.data)) is not None and r.dtype is dtype for s in sources)
+
+
+def _array_buffer(into: np.ndarray | None, sizes: tuple[int, ...], dtype: DType) -> np.ndarray:
+    """``_buffer`` as an array of ``dtype.bytes_dtype``."""
+    nbytes = math.prod(sizes) * dtype.itemsize
+    if into is None or into.size < nbytes:
+        return np.empty(sizes, dtype=dtype.bytes_dtype)
+    return into[:nbytes].view(dtype.bytes_dtype).reshape(sizes)
+
+
+def _read_array_part(region: StoredRegion, box: Box, fds: FdPool | None, into: np.ndarray | None) -> np.ndarray:
+    if fds is None:
+        fd = open_read(region.path)
+        try:
+            return region.read_array(fd, box, into)
+        finally:
+            close(fd)
+    with fds.use(region.path) as fd:
+        return region.read_array(fd, box, into)
+
+
+def assemble_bytes(piece_box: Box, dtype: DType, sources: list[Source], fds: FdPool | None = None,
+                   into: np.ndarray | None = None) -> np.ndarray:
+    """``assemble`` where ``moves_bytes`` holds: ``piece_box``'s bytes as an array of
+    ``dtype.bytes_dtype`` (maybe a strided view of a read, or a view of ``into``, uint8
+    scratch). Byte copies between files need no torch: numpy moves them as torch would."""
+    if len(sources) == 1 and sources[0].box.intersect(piece_box) == piece_box:
+        src = sources[0]
+        return _read_array_part(as_region(src.chunk.data), piece_box.shifted(src.chunk.box.offsets), fds, into)
+    out = _array_buffer(into, piece_box.sizes, dtype)
+    for src in sources:
+        part = src.box.intersect(piece_box)
+        if part is None:
+            continue
+        local = part.shifted(piece_box.offsets)
+        dest = array_run(out, local)
+        data = _read_array_part(as_region(src.chunk.data), part.shifted(src.chunk.box.offsets), fds, dest)
+        if dest is None or not data.size or data.ctypes.data != dest.ctypes.data:  # not read in place
+            out[local.as_slices()] = data
+    return out
 
 
 _CAST_BAND_BYTES = BAND_BYTES  # stored bytes read per step of a cast
 
 
-def _cast_in_bands(src: Source, stored: torch.dtype, piece_box: Box, fds: FdPool | None,
+def _cast_in_bands(src: Source, stored: DType, piece_box: Box, fds: FdPool | None,
                    out: torch.Tensor) -> torch.Tensor:
     """``piece_box`` of one source cast into ``out``, read a band at a time: one read of the
     whole slab in its stored dtype would be fresh pages, faulted in and zeroed."""
@@ -99,7 +153,7 @@ def _cast_in_bands(src: Source, stored: torch.dtype, piece_box: Box, fds: FdPool
                          lambda band: _read_part(src.chunk.data, band.shifted(offsets), fds))
 
 
-def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdPool | None = None,
+def assemble(piece_box: Box, dtype: DType | torch.dtype, sources: list[Source], fds: FdPool | None = None,
              into: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor for ``piece_box`` (global coordinates) in ``dtype``, read from ``sources``.
     A box that one source holds whole is returned as read (in ``dtype``; maybe a strided view
@@ -108,6 +162,7 @@ def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdP
     ``into``: scratch memory (uint8, at least the box's bytes) the result may be built in,
     so a worker reuses one buffer instead of faulting in fresh pages per slab; the result
     may then be a view of it."""
+    dtype = dtypes.of(dtype)
     if len(sources) == 1 and sources[0].box.intersect(piece_box) == piece_box:
         src = sources[0]
         compute = getattr(src.chunk.data, "read_into", None)
@@ -120,7 +175,7 @@ def assemble(piece_box: Box, dtype: torch.dtype, sources: list[Source], fds: FdP
             return _cast_in_bands(src, stored, piece_box, fds, _buffer(into, piece_box.sizes, dtype))
         direct = into if into is not None and stored == dtype else None
         data = _read_part(src.chunk.data, piece_box.shifted(src.chunk.box.offsets), fds, direct)
-        if data.dtype == dtype:
+        if data.dtype == dtype.torch:
             return data
         return _buffer(into, piece_box.sizes, dtype).copy_(data)
     return fill_from_sources(_buffer(into, piece_box.sizes, dtype), piece_box, sources, fds)
@@ -193,9 +248,11 @@ def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+def _as_bytes(t: np.ndarray | torch.Tensor) -> memoryview:
+    """A C-contiguous array's or tensor's bytes."""
+    if not isinstance(t, np.ndarray):
+        t = as_array(t)
+    return memoryview(t.reshape(-1).view(np.uint8)) if t.size else memoryview(b"")
 
 
 def _write_literals(fd: int, f: OutputFile) -> None:
@@ -250,18 +307,40 @@ class _Scratch(threading.local):
     at most one slab at a time, so keeping it costs no memory beyond the budget."""
 
     def __init__(self) -> None:
-        self.buf = torch.empty(0, dtype=torch.uint8)
+        self.buf = np.empty(0, dtype=np.uint8)
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        if self.buf.numel() < nbytes:
-            self.buf = torch.empty(0, dtype=torch.uint8)  # let the old one go before the new one
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+    def take(self, nbytes: int) -> np.ndarray:
+        if self.buf.size < nbytes:
+            self.buf = np.empty(0, dtype=np.uint8)  # let the old one go before the new one
+            self.buf = np.empty(nbytes, dtype=np.uint8)
         return self.buf[:nbytes]
 
 
-def _contiguous(t: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-    """``t`` C-contiguous, copied into scratch ``into`` when it is not already."""
-    return t if t.is_contiguous() else _buffer(into, tuple(t.shape), t.dtype).copy_(t)
+def _contiguous(t: np.ndarray | torch.Tensor, into: np.ndarray) -> np.ndarray | torch.Tensor:
+    """``t`` C-contiguous, copied into scratch ``into`` (uint8) when it is not already."""
+    if isinstance(t, np.ndarray):
+        if t.flags.c_contiguous:
+            return t
+        out = into[:t.nbytes].view(t.dtype).reshape(t.shape)
+        out[...] = t
+        return out
+    return t if t.is_contiguous() else _buffer(_tensor_of(into), tuple(t.shape), dtypes.of(t.dtype)).copy_(t)
+
+
+def _tensor_of(scratch: np.ndarray) -> torch.Tensor:
+    """uint8 scratch as a tensor for the torch path (same memory)."""
+    import torch
+
+    return torch.from_numpy(scratch)
+
+
+def _assemble(box: Box, dtype: DType, sources: list[Source], fds: FdPool, scratch: np.ndarray
+              ) -> np.ndarray | torch.Tensor:
+    """``box`` of a piece: its bytes moved by numpy when nothing needs casting or computing,
+    else built by torch (``assemble``)."""
+    if moves_bytes(dtype, sources):
+        return assemble_bytes(box, dtype, sources, fds, scratch)
+    return assemble(box, dtype, sources, fds, _tensor_of(scratch))
 
 
 _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs are cut from
@@ -358,7 +437,7 @@ class Engine:
             if self._stop.is_set():  # the run failed or was interrupted: no point finishing this piece
                 return
             parts = [s for s in sources if s.box.intersect(slab) is not None]
-            data = _as_bytes(_contiguous(assemble(slab, piece.dtype, parts, fds, scratch), scratch))
+            data = _as_bytes(_contiguous(_assemble(slab, piece.dtype, parts, fds, scratch), scratch))
             _pwrite_all(fd, data, at)
             at += data.nbytes
             stats.add(buffered=data.nbytes)
@@ -422,7 +501,7 @@ class Engine:
         for block in c_order_slabs(group.box, item, group.block_bytes):
             if self._stop.is_set():
                 return
-            data = assemble(block, dtype, [s for s in sources if s.box.intersect(block) is not None], fds, rows)
+            data = _assemble(block, dtype, [s for s in sources if s.box.intersect(block) is not None], fds, rows)
             for rel, off, piece in items:
                 cols = tuple(slice(o - b, o - b + n) for o, n, b in zip(piece.box.offsets[1:], piece.box.sizes[1:],
                                                                          block.offsets[1:]))

@@ -32,7 +32,7 @@ class ConvertOptions:
     to: str | None = None  # output format; default from DST's suffix, else dcp
     mesh: str | None = None  # "8", "4x8", "dp_shard=4,tp=2": lay the output out for this mesh
     placements: str | None = None  # fsdp, hsdp, fsdp+tp or a PLAN.json (with mesh)
-    dtype: Any = None  # cast floating-point tensors (str or torch.dtype); never integer state
+    dtype: Any = None  # cast floating-point tensors (a name, a torch dtype or a reshard DType); never integer state
     only: str | None = None  # "model", "optim" or a name prefix
     exclude: str | tuple[str, ...] | list[str] | None = None  # globs of names to leave out
     keymap: Any = None  # a preset name, a JSON path or dict, or a map

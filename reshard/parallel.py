@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,8 +70,16 @@ def _torchrun_env() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" in os.environ
 
 
+def _torch_loaded() -> bool:
+    """Whether torch is imported: a process group cannot exist before it is, and a command
+    that needs no torch should not import it to find that out."""
+    return "torch" in sys.modules
+
+
 def world() -> tuple[int, int]:
     """(rank, world size) in the process group this process belongs to; (0, 1) without one."""
+    if not _torch_loaded():
+        return 0, 1
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -82,11 +91,14 @@ def current_workers() -> Workers | None:
     """The process group this process already belongs to, or None when it runs alone. A
     library call never starts one: under torchrun without a group every rank would write the
     same output, so that is refused, saying what to do."""
-    import torch.distributed as dist
+    rank, size = world()
+    if size > 1:
+        return Workers(rank, size)
+    if _torch_loaded():
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        rank, size = world()
-        return Workers(rank, size) if size > 1 else None
+        if dist.is_available() and dist.is_initialized():
+            return None  # a group of one
     if _torchrun_env():
         raise UsageError(
             f"this process is one of {os.environ['WORLD_SIZE']} torchrun workers and no process group is initialized: "
@@ -99,9 +111,12 @@ def current_workers() -> Workers | None:
 def torchrun_group(timeout_s: float = 1800.0) -> Iterator[int]:
     """For ``reshard`` commands launched by torchrun: a gloo group for the command's duration
     (none when the process runs alone or already has one); yields this process's rank."""
+    if not _torchrun_env():
+        yield world()[0]
+        return
     import torch.distributed as dist
 
-    if not _torchrun_env() or (dist.is_available() and dist.is_initialized()):
+    if dist.is_available() and dist.is_initialized():
         yield world()[0]
         return
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
+from reshard import dtypes
 from reshard.boxes import Box
+from reshard.dtypes import DType
 
 __all__ = ["Piece", "OutputFile", "Segment", "segment_size"]
 
@@ -23,7 +23,11 @@ class Piece:
 
     name: str
     box: Box
-    dtype: torch.dtype
+    dtype: DType
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):  # a writer's torch dtype
+            object.__setattr__(self, "dtype", dtypes.of(self.dtype))
 
     @property
     def nbytes(self) -> int:

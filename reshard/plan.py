@@ -8,16 +8,17 @@ the engine only executes it.
 
 from __future__ import annotations
 
+
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
 
 from reshard.boxes import Box, full_box
 from reshard.catalog import (Catalog, Chunk, IndexedTensorEntry, NestedPath, ObjectTable, Target, TargetTensor, TensorEntry,
                              object_loader, pick_objects)
 from reshard.conventions import PARAM, Layout, detect_layout
+from reshard.dtypes import DType
 from reshard.errors import UsageError, option
 from reshard.pieces import OutputFile, Piece
 from reshard.storage import RemotePath
@@ -117,14 +118,14 @@ class Casting:
     """``--dtype`` for one catalog: parameters and their floating optimizer moments are cast;
     optimizer ``step``, other scalar state, integer tensors and non-model state are not."""
 
-    def __init__(self, catalog: Catalog, to: torch.dtype | None, layout: Layout) -> None:
+    def __init__(self, catalog: Catalog, to: DType | None, layout: Layout) -> None:
         self.to, self.layout = to, layout
         self.param_shapes = {p.fqn: t.shape for n, t in catalog.tensors.items()
                              if (p := layout.place(n)).role == PARAM and p.fqn is not None}
         self.cast: dict[str, int] = {}  # role -> tensors cast
         self.kept: dict[str, int] = {}  # role -> floating tensors left in their dtype
 
-    def dtype(self, name: str, entry: TensorEntry) -> torch.dtype:
+    def dtype(self, name: str, entry: TensorEntry) -> DType:
         if self.to is None or not entry.dtype.is_floating_point:
             return entry.dtype
         casts = self.layout.casts(name, entry.shape, self.param_shapes)
@@ -151,7 +152,7 @@ _ROLE_WORDS = {"param": "parameters", "optim_state": "optimizer tensors", "optim
                "per_rank": "per-rank tensors", "other": "other tensors"}
 
 
-def full_target(catalog: Catalog, *, dtype: torch.dtype | None = None, only: str | None = None,
+def full_target(catalog: Catalog, *, dtype: DType | None = None, only: str | None = None,
                 layout: Layout | None = None) -> Target:
     """Every selected tensor stored whole, in one box, in the file of rank 0."""
     layout = layout or detect_layout(catalog)

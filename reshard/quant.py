@@ -29,15 +29,15 @@ plain, so they go too, as does ``quantization_config`` from the carried config.j
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from reshard import dtypes
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry, object_loader, pick_objects
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
@@ -45,17 +45,28 @@ from reshard.keymap.chunks import read_box
 from reshard.provenance import CONFIG_OBJECT, hf_configs
 from reshard.regions import BAND_BYTES, fill_in_bands
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["QuantScheme", "SUPPORTED_METHODS", "quant_method", "find_quantized", "unpaired", "dequantized"]
 
 SUPPORTED_METHODS = ("fp8", "compressed-tensors", "mxfp4")
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
+_FP8 = tuple(dtypes.by_name(n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"))
+_UINT8, _FLOAT32 = dtypes.by_name("uint8"), dtypes.by_name("float32")
 _FP8_SCALES = ("weight_scale_inv", "weight_scale")  # finegrained fp8 (DeepSeek); compressed-tensors
 _ACTIVATION_SCALES = ("input_scale", "activation_scale")
 _DEFAULT_BLOCK = (128, 128)  # transformers' FineGrainedFP8Config.weight_block_size
 _MX_GROUP = 32  # values per MXFP4 scale: 16 bytes of two nibbles
-_FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-# Both values of every byte (low nibble first): one gather per byte unpacks it.
-_FP4_PAIRS = torch.stack([_FP4_VALUES[torch.arange(256) & 0xF], _FP4_VALUES[torch.arange(256) >> 4]], dim=-1)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@functools.cache
+def _fp4_pairs() -> torch.Tensor:
+    """Both values of every byte (low nibble first): one gather per byte unpacks it."""
+    import torch
+
+    values = torch.tensor(_FP4_VALUES)
+    return torch.stack([values[torch.arange(256) & 0xF], values[torch.arange(256) >> 4]], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -162,7 +173,7 @@ def _pair_fp8(name: str, t: TensorEntry, tensors: dict[str, TensorEntry],
     if scale is None:
         return _Problem(name, f"its scale {_sibling(name, _FP8_SCALES[0])!r} is not in the checkpoint", True)
     s = tensors[scale]
-    kind = _fp8_kind(t.shape, s.shape, blocks) if s.dtype.is_floating_point or s.dtype == torch.uint8 else None
+    kind = _fp8_kind(t.shape, s.shape, blocks) if s.dtype.is_floating_point or s.dtype is _UINT8 else None
     if kind is None:
         return _Problem(name, f"its scale {scale!r} ({s.dtype}, {list(s.shape)}) fits no scheme for {list(t.shape)} "
                               f"(blocks {blocks or 'none'} by quantization_config)", False)
@@ -175,7 +186,7 @@ def _pair_mxfp4(name: str, t: TensorEntry, tensors: dict[str, TensorEntry]) -> Q
     s = tensors.get(scale)
     if s is None:
         return _Problem(name, f"its scales {scale!r} are not in the checkpoint", True)
-    if len(t.shape) != 4 or t.shape[-1] != _MX_GROUP // 2 or s.shape != t.shape[:-1] or s.dtype != torch.uint8:
+    if len(t.shape) != 4 or t.shape[-1] != _MX_GROUP // 2 or s.shape != t.shape[:-1] or s.dtype is not _UINT8:
         return _Problem(name, f"its scales {scale!r} ({s.dtype}, {list(s.shape)}) do not fit MXFP4 blocks "
                               f"{list(t.shape)} ([E, out, G, 16] with uint8 scales [E, out, G])", False)
     if base in tensors:
@@ -193,7 +204,7 @@ def _scan(catalog: Catalog) -> tuple[dict[str, QuantScheme], list[tuple[str, str
     for name, t in tensors.items():
         if t.dtype in _FP8:
             pair = _pair_fp8(name, t, tensors, blocks)
-        elif name.endswith("_blocks") and t.dtype == torch.uint8:
+        elif name.endswith("_blocks") and t.dtype is _UINT8:
             pair = _pair_mxfp4(name, t, tensors)
         else:
             continue
@@ -219,7 +230,7 @@ def _scale_owner(name: str, t: TensorEntry) -> str | None:
             return name[: -len(suffix)] + "weight"
     if name.endswith("_scale_inv"):  # grouped experts: gate_up_proj_scale_inv
         return name.removesuffix("_scale_inv")
-    if name.endswith("_scales") and t.dtype == torch.uint8:
+    if name.endswith("_scales") and t.dtype is _UINT8:
         return name.removesuffix("_scales") + "_blocks"
     return None
 
@@ -236,6 +247,8 @@ def unpaired(catalog: Catalog) -> list[str]:
 
 
 def _scale_values(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     if t.dtype == torch.uint8:  # E8M0 exponents stored as bytes
         return (t.to(torch.float32) - 127.0).exp2()
     return t.to(torch.float32)
@@ -243,12 +256,20 @@ def _scale_values(t: torch.Tensor) -> torch.Tensor:
 
 # Every value of each FP8 format as torch converts it: a gather from 256 entries is about 3x
 # faster than torch's per-element conversion on CPU, and gives the same bits (NaNs included).
-_FP8_TABLES = {d: torch.arange(256, dtype=torch.uint8).view(d).to(torch.float32) for d in _FP8}
+@functools.cache
+def _fp8_tables() -> dict[torch.dtype, torch.Tensor]:
+    import torch
+
+    return {d.torch: torch.arange(256, dtype=torch.uint8).view(d.torch).to(torch.float32) for d in _FP8}
+
+
 _BAND_BYTES = BAND_BYTES  # float32 bytes dequantized at a time
 
 
 def _fp8_to_float32(t: torch.Tensor) -> torch.Tensor:
-    table = _FP8_TABLES.get(t.dtype)
+    import torch
+
+    table = _fp8_tables().get(t.dtype)
     if table is None:
         return t.to(torch.float32)
     return table.index_select(0, t.reshape(-1).view(torch.uint8).to(torch.int32)).reshape(t.shape)
@@ -264,6 +285,8 @@ class _Fp8Values:
     block: tuple[int, ...]  # (rows, cols) per scale; () for one scale
 
     def read(self, box: Box) -> torch.Tensor:
+        import torch
+
         out = torch.empty(box.sizes, dtype=torch.float32)
         self.read_into(box, out)
         return out
@@ -304,6 +327,8 @@ class _Mxfp4Values:
     scales: TensorEntry  # [E, out, G]
 
     def read(self, box: Box) -> torch.Tensor:
+        import torch
+
         (e0, i0, o0), (ne, ni, no) = box.offsets, box.sizes
         if box.numel == 0:
             return torch.empty(box.sizes, dtype=torch.float32)
@@ -312,7 +337,7 @@ class _Mxfp4Values:
         lo = i0 - g0 * _MX_GROUP  # first wanted value among those read
         b0, b1 = lo // 2, -(-(lo + ni) // 2)
         raw = raw.reshape(ne, no, -1)[..., b0:b1]
-        values = _FP4_PAIRS[raw.to(torch.int32)].reshape(ne, no, 2 * (b1 - b0))[..., lo - 2 * b0: lo - 2 * b0 + ni]
+        values = _fp4_pairs()[raw.to(torch.int32)].reshape(ne, no, 2 * (b1 - b0))[..., lo - 2 * b0: lo - 2 * b0 + ni]
         exps = read_box(self.scales, Box((e0, o0, g0), (ne, no, g1 - g0))).to(torch.int32) - 127
         for j in range(g1 - g0):
             a, b = max(i0, (g0 + j) * _MX_GROUP) - i0, min(i0 + ni, (g0 + j + 1) * _MX_GROUP) - i0
@@ -323,7 +348,7 @@ class _Mxfp4Values:
 def _entry(s: QuantScheme, tensors: dict[str, TensorEntry]) -> TensorEntry:
     w, sc = tensors[s.weight], tensors[s.scale]
     data = _Mxfp4Values(w, sc) if s.kind == "mxfp4" else _Fp8Values(w, sc, s.block)
-    return TensorEntry(s.output, s.shape, torch.float32, [Chunk(full_box(s.shape), data)])
+    return TensorEntry(s.output, s.shape, _FLOAT32, [Chunk(full_box(s.shape), data)])
 
 
 def _without_quantization(config: dict[str, Any]) -> dict[str, Any]:

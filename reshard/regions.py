@@ -14,13 +14,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from reshard import dtypes
 from reshard.boxes import Box, c_order_slabs, contiguous_range, full_box
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
 from reshard.storage import close, open_read, pread_into
 
-__all__ = ["StoredRegion", "read_exact", "c_strides", "as_region", "bytes_of_run", "read_in_place", "fill_in_bands", "BAND_BYTES"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["StoredRegion", "as_tensor", "as_array", "read_exact", "c_strides", "as_region", "bytes_of_run", "array_run", "read_in_place", "fill_in_bands", "BAND_BYTES"]
 
 _MIN_SPAN = 1 << 16  # a strided read may always span this much: fewer, larger reads of small boxes
 
@@ -40,13 +47,30 @@ def read_exact(fd: int, nbytes: int, offset: int, path: Path | str) -> bytearray
     return buf
 
 
-def _read_tensor(fd: int, nbytes: int, offset: int, path: Path | str) -> torch.Tensor:
+def _read_array(fd: int, nbytes: int, offset: int, path: Path | str) -> np.ndarray:
     """``read_exact`` into uninitialised memory, as uint8: a bytearray is zero-filled first,
     one more pass over every byte read (and the pass that faults its pages in)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf = np.empty(nbytes, dtype=np.uint8)
     if nbytes:
-        _read_into(fd, memoryview(buf.numpy()), offset, path)
+        _read_into(fd, memoryview(buf), offset, path)
     return buf
+
+
+def as_tensor(array: np.ndarray, dtype: DType) -> torch.Tensor:
+    """The torch tensor of ``dtype`` whose bytes are ``array`` (of ``dtype.bytes_dtype``, any
+    strides): shared memory, not a copy."""
+    import torch
+
+    if not array.size:  # numpy gives empty arrays zero strides; torch's own are C-order
+        return torch.empty(array.shape, dtype=dtype.torch)
+    return torch.from_numpy(array).view(dtype.torch)
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a numpy array of its shape and strides, of its dtype's
+    ``bytes_dtype``: shared memory, not a copy."""
+    same_width = dtypes.by_name(dtypes.of(tensor.dtype).bytes_dtype.name)
+    return tensor.detach().view(same_width.torch).numpy()
 
 
 def _read_into(fd: int, view: memoryview, offset: int, path: Path | str) -> None:
@@ -68,9 +92,13 @@ class StoredRegion:
 
     path: Path
     offset: int
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     strides: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):  # a reader's torch dtype
+            object.__setattr__(self, "dtype", dtypes.of(self.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -99,7 +127,12 @@ class StoredRegion:
             close(fd)
 
     def read_from(self, fd: int, box: Box, into: torch.Tensor | None = None) -> torch.Tensor:
-        """Read ``box`` through an already open ``fd`` of ``path`` (the engine keeps them open).
+        """``read_array`` as a torch tensor of the region's dtype; ``into``: uint8 scratch."""
+        return as_tensor(self.read_array(fd, box, None if into is None else into.numpy()), self.dtype)
+
+    def read_array(self, fd: int, box: Box, into: np.ndarray | None = None) -> np.ndarray:
+        """``box``'s bytes through an already open ``fd`` of ``path`` (the engine keeps them
+        open), as an array of ``dtype.bytes_dtype`` (maybe a strided view: callers copy it out).
 
         ``into``: a contiguous uint8 buffer of at least the box's bytes that a box lying in
         one run of the file is read into (and returned as a view of), instead of fresh
@@ -107,20 +140,20 @@ class StoredRegion:
         new pages for every slab. Other boxes ignore it."""
         item = self.dtype.itemsize
         if box.numel == 0:
-            return torch.empty(box.sizes, dtype=self.dtype)
+            return np.empty(box.sizes, dtype=self.dtype.bytes_dtype)
         direct = self.byte_range(box)
         if direct is not None:
             offset, nbytes = direct
-            if into is not None and into.numel() >= nbytes:
+            if into is not None and into.size >= nbytes:
                 buf = into[:nbytes]
-                _read_into(fd, memoryview(buf.numpy()), offset, self.path)
+                _read_into(fd, memoryview(buf), offset, self.path)
             else:
-                buf = _read_tensor(fd, nbytes, offset, self.path)
-            return self._tensor(buf, box.sizes)
+                buf = _read_array(fd, nbytes, offset, self.path)
+            return buf.view(self.dtype.bytes_dtype).reshape(box.sizes)
         strides = self.strides or c_strides(self.shape)
         return self._read_strided(fd, box, strides, max(2 * box.numel * item, _MIN_SPAN))
 
-    def _read_strided(self, fd: int, box: Box, strides: tuple[int, ...], allowed: int) -> torch.Tensor:
+    def _read_strided(self, fd: int, box: Box, strides: tuple[int, ...], allowed: int) -> np.ndarray:
         """``box`` of a region it does not lie in as one run (a column block, a strided view).
 
         A span of the file that holds the box and at most ``allowed`` bytes is read in one go
@@ -133,40 +166,42 @@ class StoredRegion:
         last = sum((o + n - 1) * s for o, n, s in zip(box.offsets, box.sizes, strides))
         span = (last - first + 1) * item
         if span <= allowed:
-            raw = self._tensor(_read_tensor(fd, span, self.offset + first * item, self.path), (last - first + 1,))
-            return raw.as_strided(box.sizes, strides)
+            raw = _read_array(fd, span, self.offset + first * item, self.path).view(self.dtype.bytes_dtype)
+            return np.lib.stride_tricks.as_strided(raw, box.sizes, tuple(s * item for s in strides))
         d = next(i for i, n in enumerate(box.sizes) if n > 1)  # a box spanning more than one run has one
         pitch = strides[d] * item  # bytes from one index along d to the next
         one = span - (box.sizes[d] - 1) * pitch  # the span of a block of one index (dims before d are 1)
         step = max(1, min(box.sizes[d] - 1, (allowed - one) // pitch + 1)) if allowed > one else 1
-        out = torch.empty(box.sizes, dtype=self.dtype)
+        out = np.empty(box.sizes, dtype=self.dtype.bytes_dtype)
         for i in range(0, box.sizes[d], step):
             n = min(step, box.sizes[d] - i)
             offs = box.offsets[:d] + (box.offsets[d] + i,) + box.offsets[d + 1:]
             sub = Box(offs, box.sizes[:d] + (n,) + box.sizes[d + 1:])
-            out.narrow(d, i, n).copy_(self._read_strided(fd, sub, strides, allowed))
+            out[(slice(None),) * d + (slice(i, i + n),)] = self._read_strided(fd, sub, strides, allowed)
         return out
-
-    def _tensor(self, buf: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-        if buf.numel() == 0:
-            return torch.empty(sizes, dtype=self.dtype)
-        return buf.view(self.dtype).reshape(sizes)
 
     def read_all(self) -> torch.Tensor:
         return self.read(full_box(self.shape))
 
 
-
-def bytes_of_run(out: torch.Tensor, box: Box, dtype: torch.dtype) -> torch.Tensor | None:
+def bytes_of_run(out: torch.Tensor, box: Box, dtype: DType | None) -> torch.Tensor | None:
     """``box`` of ``out`` as a uint8 view, when it is one run of contiguous CPU memory of
     ``dtype``: a ``read_from(into=)`` buffer, so a stored part is read where it belongs
     instead of into new memory and copied over. None otherwise."""
-    if out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous():
+    if dtype is None or out.device.type != "cpu" or out.dtype != dtype.torch or not out.is_contiguous():
         return None
     run = contiguous_range(box, tuple(out.shape))
     if run is None or not run[1]:
         return None
-    return out.detach().view(-1)[run[0]: run[0] + run[1]].view(torch.uint8)  # a write target only
+    return as_tensor(as_array(out.view(-1)[run[0]: run[0] + run[1]]).view(np.uint8), dtypes.by_name("uint8"))
+
+
+def array_run(out: np.ndarray, box: Box) -> np.ndarray | None:
+    """``bytes_of_run`` for a C-contiguous byte array (``read_array(into=)``)."""
+    run = contiguous_range(box, out.shape)
+    if run is None or not run[1]:
+        return None
+    return out.reshape(-1)[run[0]: run[0] + run[1]].view(np.uint8)
 
 
 def read_in_place(part: torch.Tensor, dest: torch.Tensor | None) -> bool:

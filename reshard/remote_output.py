@@ -31,8 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from reshard.catalog import Target
 from reshard.engine import REMOTE_WORKERS
 from reshard.errors import OutputExistsError, option
@@ -51,6 +49,8 @@ MARKERS = (".metadata", "model.safetensors.index.json")
 def slabs_of(segment: Any, plan: Any, slab_bytes: int) -> Iterator[memoryview]:
     """A file segment's bytes in C-order slabs of at most ``slab_bytes``: a ``Piece`` assembled
     from its sources (the engine's own helpers), literal header bytes as they are."""
+    import torch
+
     if not isinstance(segment, Piece):
         yield memoryview(segment)
         return

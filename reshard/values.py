@@ -15,13 +15,16 @@ import hashlib
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from reshard import dtypes
 from reshard.boxes import Box, c_order_slabs, full_box
 from reshard.catalog import ChunkData, TensorEntry
+from reshard.dtypes import DType
 from reshard.keymap.chunks import read_box
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["difference", "same_value", "same_values", "tensor_digest", "tensor_bits_differ"]
 
@@ -50,6 +53,8 @@ def _tensor_difference(x: torch.Tensor, y: torch.Tensor) -> str | None:
 
 def tensor_bits_differ(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Whether two tensors of one dtype and shape differ in any bit (NaN payloads, signs)."""
+    import torch
+
     if x.numel() == 0:
         return False
     bx = x.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -69,6 +74,8 @@ def _numpy_difference(x: Any, y: Any) -> str | None:
 def difference(x: Any, y: Any, where: str = "") -> str | None:
     """None when ``x`` and ``y`` are the same value (type, structure, bits); otherwise where
     (``[key][0]``) and how they first differ, in words."""
+    import torch
+
     at = f" at {where}" if where else ""
     if type(x) is not type(y):
         return f"{type(x).__name__} {_short(x)} vs {type(y).__name__} {_short(y)}{at}"
@@ -117,19 +124,23 @@ def same_value(x: Any, y: Any) -> bool:
     return difference(x, y) is None
 
 
-def tensor_digest(data: ChunkData, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+def tensor_digest(data: ChunkData, shape: tuple[int, ...], dtype: DType) -> str:
     """SHA-256 of a stored tensor's C-order bytes, read in slabs of a few MiB."""
+    import torch
+
     h = hashlib.sha256()
     for slab in c_order_slabs(full_box(shape), dtype.itemsize, _DIGEST_SLAB):
         t = data.read(slab)
         if t.numel():
             h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-    h.update(repr((tuple(shape), str(dtype), math.prod(shape))).encode())
+    h.update(repr((tuple(shape), f"torch.{dtypes.of(dtype).name}", math.prod(shape))).encode())  # as written before DType
     return h.hexdigest()
 
 
 def same_values(a: TensorEntry, b: TensorEntry, max_bytes: int) -> bool:
     """Bit equality of two tensors, compared in row blocks so memory stays under ``max_bytes``."""
+    import torch
+
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if not a.shape:

@@ -14,13 +14,11 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.boxes import c_order_slabs, full_box
 from reshard.catalog import Catalog, TensorEntry
-from reshard.dtypes import dtype_name
+from reshard.dtypes import DType, dtype_name
 from reshard.engine import assemble
 from reshard.gc_pause import without_gc
 from reshard.errors import UsageError, option
@@ -31,6 +29,9 @@ from reshard.sizes import parse_size
 from reshard.sources import read_catalog
 from reshard.structure import CONTAINERS_ATTR, container_steps, describe_steps
 from reshard.values import difference
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["verify", "verify_manifest", "VerifyResult", "Difference"]
 
@@ -94,10 +95,12 @@ class VerifyResult:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _kind(dtype: torch.dtype) -> str:
+def _kind(dtype: DType) -> str:
     """How a dtype compares under a tolerance: floats and complex by value, the rest exactly."""
     if dtype.is_complex:
         return "complex"
@@ -109,6 +112,8 @@ def _kind(dtype: torch.dtype) -> str:
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """Values in a type that holds every value of the stored one exactly (complex as
     (real, imag) pairs along a last dim)."""
+    import torch
+
     if t.dtype.is_complex:
         return torch.view_as_real(t.to(torch.complex128))
     return t.double()
@@ -125,6 +130,8 @@ class _Tally:
 
     def add(self, wa: torch.Tensor, wb: torch.Tensor, differ: torch.Tensor) -> None:
         """``wa``/``wb``: widened values; ``differ``: one flag per element of the tensor."""
+        import torch
+
         self.count += int(differ.sum())
         if wa.dim() > differ.dim():  # complex: the magnitude of the difference per element
             delta = torch.linalg.vector_norm(wa - wb, dim=-1)
@@ -152,6 +159,8 @@ def _compare(a: TensorEntry, b: TensorEntry, atol: float | None, rtol: float | N
     """Exact: every bit, per element (NaNs equal only to the same NaN; -0.0 differs from 0.0).
     With a tolerance: floating and complex values within ``atol + rtol * |b|`` (NaN equals
     NaN), complex by real and imaginary part; integers and bools still exactly."""
+    import torch
+
     kinds = {_kind(a.dtype), _kind(b.dtype)}
     tolerant = (atol is not None or rtol is not None) and kinds in ({"float"}, {"complex"})
     numeric = kinds <= {"float", "complex"} and len(kinds) == 1

@@ -13,7 +13,7 @@ __all__ = ["TinyNet", "save_fsdp2_dcp", "full_reference", "full_tensor"]
 def full_tensor(entry: TensorEntry) -> torch.Tensor:
     """The whole tensor of ``entry``, each chunk read by its reader (``torch.empty``: a box no
     chunk covers keeps garbage, so it cannot pass for zeros)."""
-    out = torch.empty(entry.shape, dtype=entry.dtype)
+    out = torch.empty(entry.shape, dtype=entry.dtype.torch)
     for c in entry.chunks:
         out[c.box.as_slices()] = c.data.read(full_box(c.box.sizes))
     return out

@@ -139,8 +139,8 @@ def test_slabs_are_read_into_each_workers_reused_buffer(tmp_path: Path, monkeypa
     import reshard.regions as regions
 
     fresh: list[int] = []
-    real_read = regions._read_tensor
-    monkeypatch.setattr(regions, "_read_tensor", lambda fd, n, off, path: fresh.append(n) or real_read(fd, n, off, path))
+    real_read = regions._read_array
+    monkeypatch.setattr(regions, "_read_array", lambda fd, n, off, path: fresh.append(n) or real_read(fd, n, off, path))
     t = torch.randn(37, 101)
     cat = _sharded_catalog(tmp_path, t, [13, 13, 11])
     files = [OutputFile(f"c{i}.bin", [Piece("w", Box((0, c), (37, n)), torch.float32)])

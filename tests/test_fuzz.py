@@ -147,7 +147,7 @@ def _our_tensors(path: Path, header: Header) -> dict[str, torch.Tensor]:
         [chunk] = entry.chunks  # whole: only DCP's sharding info (never generated here) splits one
         assert chunk.box == full_box(entry.shape)
         out[name] = chunk.data.read_all()
-        assert (out[name].dtype, tuple(out[name].shape)) == (entry.dtype, entry.shape), name
+        assert (out[name].dtype, tuple(out[name].shape)) == (entry.dtype.torch, entry.shape), name
     return out
 
 
@@ -325,7 +325,7 @@ def _check_torch_reads_the_same(root: Path, ours: DCPIndex) -> None:
     assert set(ours.tensors) == set(tensors) and set(ours.objects) == objects
     for name, (shape, dtype, chunks) in ours.tensors.items():
         md = tensors[name]
-        assert (tuple(md.size), md.properties.dtype) == (shape, dtype), name
+        assert (tuple(md.size), md.properties.dtype) == (shape, dtype.torch), name
         assert [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks] == [(b.offsets, b.sizes) for b, _ in chunks]
         for box, rec in chunks:
             # The key torch's planner looks a chunk's bytes up by (index is not compared).

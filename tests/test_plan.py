@@ -29,8 +29,8 @@ def _catalog() -> Catalog:
 
 def test_full_target_casts_floats_only_and_selects_sections() -> None:
     target = full_target(_catalog(), dtype=torch.bfloat16)
-    assert target.tensors["model.w"].dtype is torch.bfloat16
-    assert target.tensors["optim.state.w.step"].dtype is torch.int64
+    assert target.tensors["model.w"].dtype.torch is torch.bfloat16
+    assert target.tensors["optim.state.w.step"].dtype.torch is torch.int64
     only = full_target(_catalog(), only="optim")
     assert list(only.tensors) == ["optim.state.w.step"] and list(only.objects) == ["optim.param_groups.0.lr"]
     with pytest.raises(UsageError, match="matches nothing"):

@@ -63,7 +63,7 @@ def folder_catalog(folder: Path, tensors: dict[str, torch.Tensor], config: dict 
 def test_deepseek_fp8_pairs_every_quantized_weight(fp8_dir: Path) -> None:
     catalog = reshard.inspect(fp8_dir)
     schemes = find_quantized(catalog)
-    fp8 = sorted(n for n, t in catalog.tensors.items() if t.dtype == torch.float8_e4m3fn)
+    fp8 = sorted(n for n, t in catalog.tensors.items() if t.dtype.torch == torch.float8_e4m3fn)
     assert sorted(schemes) == fp8 and len(fp8) == 28
     assert {s.label for s in schemes.values()} == {"fp8-block 128x128"}  # 96x96 too: a 1x1 grid is a block
     gate = schemes[GATE]
@@ -85,7 +85,7 @@ def test_deepseek_fp8_dequantizes_as_transformers_does(fp8_dir: Path) -> None:
             assert entry is catalog.tensors[name]  # untouched: still kernel-copied
             continue
         q, s = stored[name], stored[name + "_scale_inv"]
-        assert entry.dtype == torch.float32 and entry.shape == tuple(q.shape)
+        assert entry.dtype.torch == torch.float32 and entry.shape == tuple(q.shape)
         got = whole(entry).to(torch.bfloat16)
         assert torch.equal(got, block_reference(q, s, (128, 128), torch.bfloat16)), name
         theirs = _dequantize_fp8_weight(q, s, [128, 128], torch.float32).to(torch.bfloat16)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from reshard import dtypes
 from reshard.boxes import Box
 from reshard.errors import CorruptCheckpointError
 from reshard.regions import StoredRegion
@@ -51,13 +52,13 @@ def test_sparse_boxes_are_read_in_bounded_blocks(tmp_path: Path, monkeypatch: py
 
     monkeypatch.setattr(regions, "_MIN_SPAN", min_span)
     reads: list[int] = []
-    real_read = regions._read_tensor
+    real_read = regions._read_array
 
     def counting(fd: int, size: int, offset: int, path: Path) -> torch.Tensor:
         reads.append(size)
         return real_read(fd, size, offset, path)
 
-    monkeypatch.setattr(regions, "_read_tensor", counting)
+    monkeypatch.setattr(regions, "_read_array", counting)
     gen = torch.Generator().manual_seed(min_span)
     t = torch.randn(37, 29, 11, generator=gen)
     region = StoredRegion(_store(tmp_path, t), 13, torch.float32, tuple(t.shape))
@@ -80,15 +81,15 @@ def test_parts_stored_as_one_run_are_read_where_they_belong(tmp_path: Path, monk
     from reshard.runtime.transfer import OpenFiles, read_box
 
     out = torch.zeros(4, 6)
-    view = bytes_of_run(out, Box((1, 0), (2, 6)), torch.float32)
+    view = bytes_of_run(out, Box((1, 0), (2, 6)), dtypes.of(torch.float32))
     assert view is not None and view.data_ptr() == out[1].data_ptr() and view.numel() == 48
-    assert bytes_of_run(out, Box((1, 2), (2, 3)), torch.float32) is None  # two runs
-    assert bytes_of_run(out, Box((1, 0), (2, 6)), torch.bfloat16) is None  # another dtype
-    assert bytes_of_run(out.t(), Box((0, 0), (6, 1)), torch.float32) is None  # not contiguous
+    assert bytes_of_run(out, Box((1, 2), (2, 3)), dtypes.of(torch.float32)) is None  # two runs
+    assert bytes_of_run(out, Box((1, 0), (2, 6)), dtypes.of(torch.bfloat16)) is None  # another dtype
+    assert bytes_of_run(out.t(), Box((0, 0), (6, 1)), dtypes.of(torch.float32)) is None  # not contiguous
 
     fresh: list[int] = []
-    real_read = regions._read_tensor
-    monkeypatch.setattr(regions, "_read_tensor", lambda fd, n, off, path: fresh.append(n) or real_read(fd, n, off, path))
+    real_read = regions._read_array
+    monkeypatch.setattr(regions, "_read_array", lambda fd, n, off, path: fresh.append(n) or real_read(fd, n, off, path))
     t = torch.randn(10, 6)
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir(), second.mkdir()

@@ -19,13 +19,13 @@ import re
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, Target, TensorEntry
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
 from reshard.formats.dcp.index import load_dcp_index
 from reshard.formats.dcp.metadata import ChunkTable, DCPIndex, StorageRecord
@@ -41,12 +41,15 @@ from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
 from reshard.options import ConvertOptions
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["DCPFormat", "DCPWriter"]
 
 _DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
-def _copies(index: DCPIndex, name: str, rec: StorageRecord, box: Box | None = None, dtype: torch.dtype | None = None
+def _copies(index: DCPIndex, name: str, rec: StorageRecord, box: Box | None = None, dtype: DType | None = None
             ) -> list[Item]:
     """The item and, when several ranks wrote it (use_collectives=False), the others' copies."""
     return [Item(name, r, box, dtype) for r in [rec, *index.copies.get((name, box.offsets if box else ()), [])]]
@@ -101,7 +104,7 @@ class _LazyChunk:
     __slots__ = ("path", "name", "table", "k", "located", "box", "dtype", "_data")
 
     def __init__(self, path: Path, name: str, table: ChunkTable, k: int, located: np.ndarray, box: Box,
-                 dtype: torch.dtype) -> None:
+                 dtype: DType) -> None:
         self.path, self.name, self.table, self.k, self.located = path, name, table, k, located
         self.box, self.dtype, self._data = box, dtype, None
 
@@ -136,7 +139,7 @@ class _LazyChunk:
         return self.resolve().read(box)
 
 
-def _lazy_entry(name: str, shape: tuple[int, ...], dtype: torch.dtype, table: ChunkTable,
+def _lazy_entry(name: str, shape: tuple[int, ...], dtype: DType, table: ChunkTable,
                 file_paths: list[Path]) -> TensorEntry:
     """``file_paths``: the folder's data files as paths, made once for all tensors (a path per
     chunk cost more than the rest of planning)."""
@@ -249,7 +252,7 @@ class DCPWriter:
         self._file, self._start, self._length = array("l"), array("q"), array("q")
         self._relpaths: list[str] = []
         self._objects: dict[str, tuple[str, int, int]] = {}
-        self._blobs: dict[tuple[torch.dtype, tuple[int, ...]], tuple[list, int]] = {}
+        self._blobs: dict[tuple[DType, tuple[int, ...]], tuple[list, int]] = {}
 
     def layout(self, target: Target) -> list[OutputFile]:
         files = [OutputFile(f"__{r}_0.distcp") for r in range(target.world_size)]

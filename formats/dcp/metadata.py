@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from reshard import _torch_compat
+from reshard import dtypes
+from reshard.dtypes import DType
 from reshard.boxes import Box
 from reshard.gc_pause import paused_gc
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
@@ -128,6 +128,17 @@ class _TensorProperties(_Record):
             super().__setstate__(state)
 
 
+_LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr",
+                      "torch.sparse_bsc", "torch._mkldnn", "torch.jagged"})
+
+
+def _layout(name: Any) -> str:
+    """torch's ``_get_layout(name)``: the layout's name is all reshard keeps (and checks)."""
+    if name not in _LAYOUTS:
+        raise ValueError(f"tensor layout {name!r} is not one of torch's")  # safe_loads adds the file name
+    return name
+
+
 def _memory_format_code(value: Any) -> int:
     """torch's _MEM_FORMAT_ENCODING(value): contiguous, channels_last, preserve (0, 1, 2)."""
     if type(value) is not int or value not in (0, 1, 2):
@@ -167,11 +178,11 @@ _GLOBALS: dict[tuple[str, str], Any] = {
     **{(_PLANNER, n): _SavePlanRecord for n in ("SavePlan", "WriteItem", "TensorWriteData")},
     (_PLANNER, "WriteItemType"): _write_item_type,
     ("torch", "Size"): tuple,  # a torch.Size is a tuple; building torch's costs more and gives nothing here
-    ("torch.serialization", "_get_layout"): _torch_compat.get_layout,
+    ("torch.serialization", "_get_layout"): _layout,
     ("pathlib", "PosixPath"): __import__("pathlib").PurePosixPath,
     ("pathlib", "WindowsPath"): __import__("pathlib").PureWindowsPath,
     ("pathlib", "PurePosixPath"): __import__("pathlib").PurePosixPath,
-    **{("torch", name): dt for name, dt in _torch_compat.TORCH_DTYPES.items()},
+    **{("torch", name): dt for name, dt in dtypes.DTYPES.items()},
 }
 
 
@@ -241,7 +252,7 @@ class DCPIndex:
     several ranks each wrote (``use_collectives=False``), the other ranks' records; the record
     in ``tensors`` / ``objects`` is the lowest rank's."""
 
-    tensors: dict[str, tuple[tuple[int, ...], torch.dtype, ChunkTable | list[tuple[Box, StorageRecord]]]]
+    tensors: dict[str, tuple[tuple[int, ...], DType, ChunkTable | list[tuple[Box, StorageRecord]]]]
     objects: dict[str, StorageRecord]
     paths: dict[str, tuple]
     containers: dict[tuple, str] = field(default_factory=dict)
@@ -513,7 +524,7 @@ def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
             raise CorruptCheckpointError(f"{where}: unknown entry type {type(md).__name__}")
         shape = _ints(md.size, f"{where} size")
         dtype = md.properties.dtype if type(md.properties) is _TensorProperties else None
-        if not isinstance(dtype, torch.dtype) or any(s < 0 for s in shape):
+        if not isinstance(dtype, DType) or any(s < 0 for s in shape):
             raise CorruptCheckpointError(f"{where}: invalid dtype {dtype!r} or shape {shape}")
         if not isinstance(md.chunks, (list, tuple)):
             raise CorruptCheckpointError(f"{where}: chunk list is {type(md.chunks).__name__}")

@@ -19,9 +19,12 @@ import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from reshard.dtypes import DType
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["ChunkRecord", "TensorRecord", "metadata_bytes"]
 
@@ -41,10 +44,12 @@ class ChunkStorageMetadata:
 
 @dataclass
 class TensorProperties:
-    dtype: torch.dtype
+    dtype: DType
 
     def __getstate__(self) -> tuple:
         # torch's own state: (dtype, layout, requires_grad, memory format code, pin_memory)
+        import torch
+
         return (self.dtype, torch.strided, False, _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT, False)
 
 
@@ -119,7 +124,7 @@ class ChunkRecord:
 
 @dataclass(frozen=True)
 class TensorRecord:
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     chunks: tuple[ChunkRecord, ...]
 
@@ -259,7 +264,7 @@ class _Opcodes:
         out.append(b"ub")
         return b"".join(out)
 
-    def _properties(self, dtype: torch.dtype) -> bytes:
+    def _properties(self, dtype: DType) -> bytes:
         # TensorProperties.__setstate__'s tuple: (dtype, layout, requires_grad, memory format, pin_memory)
         out = [self._global(_META_CLASS["TensorProperties"]) + b")\x81("]
         out.append(self._global("torch\n" + str(dtype).removeprefix("torch.")))

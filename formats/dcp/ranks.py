@@ -16,9 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.boxes import Box
 from reshard.catalog import ChunkData
@@ -26,6 +24,9 @@ from reshard.errors import CorruptCheckpointError
 from reshard.formats.dcp.metadata import DCPIndex, StorageRecord, read_metadata_file
 from reshard.regions import read_exact
 from reshard.storage import close, open_read
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["rank_metadata_files", "merged_rank_index", "CheckedCopies", "same_bytes"]
 
@@ -104,6 +105,8 @@ def _merge(into: DCPIndex, index: DCPIndex, path: Path, origin: dict[str, Path])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -118,6 +121,8 @@ class CheckedCopies:
         self.copies, self.name = copies, name
 
     def read(self, box: Box) -> torch.Tensor:
+        import torch
+
         (first, first_path), *others = self.copies
         value = first.read(box)
         for data, path in others:

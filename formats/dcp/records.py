@@ -17,14 +17,15 @@ empty ones) are not opened.
 
 from __future__ import annotations
 
+
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from reshard.boxes import Box
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.formats.dcp.metadata import DCPIndex, StorageRecord
 from reshard.formats.dcp.safetensors import BlobChunk, read_blob
@@ -45,7 +46,7 @@ class Item:
     name: str
     rec: StorageRecord
     box: Box | None = None
-    dtype: torch.dtype | None = None
+    dtype: DType | None = None
 
     def describe(self) -> str:
         if self.box is None:

@@ -23,14 +23,14 @@ exactly, which also catches the files ``save_distributed=False`` on several rank
 
 from __future__ import annotations
 
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from reshard.boxes import Box, full_box, tiles_exactly
 from reshard.catalog import Chunk, TensorEntry
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
 from reshard.formats.safetensors.header import Header, read_header
 from reshard.regions import StoredRegion
@@ -70,7 +70,7 @@ class BlobChunk:
 
     name: str
     box: Box
-    dtype: torch.dtype
+    dtype: DType
     length: int
 
 

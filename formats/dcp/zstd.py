@@ -29,16 +29,18 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.boxes import Box
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.formats.torch.zip import _TorchZipReader, materialize
 from reshard.formats.torch.zip_index import ZipIndex
 from reshard.regions import StoredRegion, c_strides, read_exact
 from reshard.storage import close, open_read
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DESCRIPTOR", "require_zstandard", "content_size", "ZstdChunk", "load_zstd_object"]
 
@@ -212,7 +214,9 @@ def _span(region: StoredRegion, box: Box, where: str) -> tuple[int, int, tuple[i
 
 
 def _tensor(raw: bytearray, region: StoredRegion, box: Box, strides: tuple[int, ...]) -> torch.Tensor:
-    return torch.frombuffer(raw, dtype=region.dtype).as_strided(box.sizes, strides)
+    import torch
+
+    return torch.frombuffer(raw, dtype=region.dtype.torch).as_strided(box.sizes, strides)
 
 
 _live: OrderedDict[int, ZstdChunk] = OrderedDict()
@@ -235,7 +239,7 @@ class ZstdChunk:
     The archive is checked on the first read: it must hold one tensor of the dtype and shape
     ``.metadata`` gives the chunk; a mismatch is refused then (before the output is committed)."""
 
-    def __init__(self, path: Path, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...], where: str) -> None:
+    def __init__(self, path: Path, offset: int, length: int, dtype: DType, shape: tuple[int, ...], where: str) -> None:
         self.path, self.offset, self.length = path, offset, length
         self.dtype, self.shape, self.where = dtype, shape, where
         self._region: StoredRegion | None = None
@@ -255,8 +259,10 @@ class ZstdChunk:
         return self._region
 
     def read(self, box: Box) -> torch.Tensor:
+        import torch
+
         if box.numel == 0:
-            return torch.empty(box.sizes, dtype=self.dtype)
+            return torch.empty(box.sizes, dtype=self.dtype.torch)
         with self._lock:
             region = self._located()
             start, n, strides = _span(region, box, self.where)
@@ -276,9 +282,11 @@ def load_zstd_object(path: Path, offset: int, length: int, where: str) -> Any:
     obj = _ArchiveReader(archive).load()
 
     def read(region: StoredRegion) -> torch.Tensor:
+        import torch
+
         box = Box((0,) * len(region.shape), region.shape)
         if box.numel == 0:
-            return torch.empty(region.shape, dtype=region.dtype)
+            return torch.empty(region.shape, dtype=region.dtype.torch)
         start, n, strides = _span(region, box, where)
         return _tensor(bytearray(archive.read(start, n)), region, box, strides).clone()
 

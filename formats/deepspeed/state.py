@@ -7,12 +7,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.boxes import Box, tiles_exactly
 from reshard.catalog import Catalog, Chunk, NestedPath, TensorEntry
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
 from reshard.formats.torch.save import add_leaves, flatten_tree
 from reshard.formats.torch.file import read_torch_file
@@ -20,6 +19,9 @@ from reshard.safe_pickle.inert import Inert, is_refused, refused_name
 from reshard.safe_pickle.walk import find_in
 from reshard.regions import StoredRegion
 from reshard.safe_pickle.unpickler import Unpickled, refusal_message
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LAYOUT_KEYS", "ScalarValue", "load_state", "field_of", "plain", "flat_partition", "scalar_data", "add_tensor",
            "add_objects"]
@@ -87,6 +89,8 @@ def flat_partition(value: Any, where: str) -> StoredRegion:
 
 def scalar_data(value: Any) -> Any:
     """A per-group optimizer scalar (``step``) as chunk data, or None when it is no number."""
+    import torch
+
     if isinstance(value, StoredRegion) and value.shape == ():
         return value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -94,7 +98,7 @@ def scalar_data(value: Any) -> Any:
     return None
 
 
-def add_tensor(catalog: Catalog, name: str, shape: tuple[int, ...], dtype: torch.dtype, chunks: list[Chunk],
+def add_tensor(catalog: Catalog, name: str, shape: tuple[int, ...], dtype: DType, chunks: list[Chunk],
                path: NestedPath) -> None:
     why = tiles_exactly(shape, [c.box for c in chunks])
     if why is not None:

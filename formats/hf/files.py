@@ -18,9 +18,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from reshard.catalog import Target
+from reshard.dtypes import DType
 from reshard.errors import UnsupportedFormatError
 
 __all__ = ["llama_config", "generation_config", "with_dtype", "model_card", "write_json", "written_dtype",
@@ -126,16 +125,16 @@ def generation_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def written_dtype(target: Target) -> torch.dtype | None:
+def written_dtype(target: Target) -> DType | None:
     """The floating dtype most of the written bytes have (what config.json should declare)."""
-    counts: Counter[torch.dtype] = Counter()
+    counts: Counter[DType] = Counter()
     for t in target.tensors.values():
         if t.dtype.is_floating_point:
             counts[t.dtype] += t.nbytes
     return counts.most_common(1)[0][0] if counts else None
 
 
-def with_dtype(config: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
+def with_dtype(config: dict[str, Any], dtype: DType | None) -> dict[str, Any]:
     """The config with the dtype actually written, under transformers' current key ``dtype``
     (``torch_dtype`` is deprecated: dropped, not duplicated)."""
     out = {k: v for k, v in config.items() if k != "torch_dtype"}

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from reshard import dtypes
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.regions import read_exact
 from reshard.storage import close, handle_size, open_read
@@ -49,18 +49,18 @@ _TABLE = [
     ("F32", "float32", 32), ("C64", "complex64", 64), ("F64", "float64", 64), ("I64", "int64", 64),
     ("U64", "uint64", 64),
 ]
-_DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
-    code: (getattr(torch, name, None) if name else None, bits) for code, name, bits in _TABLE
+_DTYPES: dict[str, tuple[DType | None, int]] = {
+    code: (dtypes.by_name(name) if name else None, bits) for code, name, bits in _TABLE
 }
-_CODES: dict[torch.dtype, str] = {dt: code for code, (dt, _) in _DTYPES.items() if dt is not None}
+_CODES: dict[DType, str] = {dt: code for code, (dt, _) in _DTYPES.items() if dt is not None}
 _RANK = {code: i for i, (code, _, _) in enumerate(_TABLE)}
 # torch packs F4 two to a byte along the last dimension: header shape [..., 2k] is torch [..., k].
 _PACKED = {"F4": 2}
 
 
-def unstorable(dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
+def unstorable(dtype: DType, shape: tuple[int, ...]) -> str | None:
     """Why a tensor cannot go into a safetensors file, or None when it can."""
-    code = _CODES.get(dtype)
+    code = _CODES.get(dtypes.of(dtype))
     if code is None:
         return f"safetensors has no dtype for {dtype}"
     if code in _PACKED and not shape:
@@ -68,15 +68,15 @@ def unstorable(dtype: torch.dtype, shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def file_order(names_dtypes: list[tuple[str, torch.dtype]]) -> list[str]:
+def file_order(names_dtypes: list[tuple[str, DType]]) -> list[str]:
     """Names in the order ``save_file`` lays tensors out: widest dtype first, then by name."""
-    return [n for n, _ in sorted(names_dtypes, key=lambda nd: (-_RANK[_CODES[nd[1]]], nd[0]))]
+    return [n for n, _ in sorted(names_dtypes, key=lambda nd: (-_RANK[_CODES[dtypes.of(nd[1])]], nd[0]))]
 
 
 @dataclass(frozen=True)
 class HeaderTensor:
     name: str
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]  # torch's shape (F4 counts packed pairs)
     begin: int  # relative to the start of the data, as in the header
     end: int
@@ -257,12 +257,12 @@ def read_header(path: Path, start: int = 0) -> Header:
     return Header(path, start + 8 + n, metadata, tensors)
 
 
-def header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
+def header_bytes(tensors: list[tuple[str, DType, tuple[int, ...]]], metadata: dict[str, str]) -> bytes:
     """Length prefix and JSON header for ``tensors`` stored back to back in the given order."""
     head: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     at = 0
     for name, dtype, shape in tensors:
-        code = _CODES[dtype]
+        code = _CODES[dtypes.of(dtype)]
         pack = _PACKED.get(code, 1)
         nbytes = math.prod(shape) * dtype.itemsize
         shown = list(shape[:-1]) + [shape[-1] * pack] if pack > 1 else list(shape)

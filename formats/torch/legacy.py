@@ -22,8 +22,7 @@ import os
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import torch
-
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.formats.torch.zip import TorchPickle
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads
@@ -49,7 +48,7 @@ class _LegacyObject(TorchPickle):
 
     def __init__(self, path: Path, stream: BinaryIO, start: int, bases: dict[str, int] | None) -> None:
         self.path, self.where, self.stream, self.start, self.bases = path, str(path), stream, start, bases
-        self.seen: dict[str, tuple[torch.dtype | None, int]] = {}
+        self.seen: dict[str, tuple[DType | None, int]] = {}
 
     def pickle_data(self) -> BinaryIO:
         self.stream.seek(self.start)
@@ -61,7 +60,7 @@ class _LegacyObject(TorchPickle):
         if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage"):
             raise CorruptCheckpointError(f"{self.where}: unexpected persistent id {pid!r}")
         _, dtype, key, _location, numel, view = pid
-        if not (dtype is None or isinstance(dtype, torch.dtype)) or not isinstance(key, str) \
+        if not (dtype is None or isinstance(dtype, DType)) or not isinstance(key, str) \
                 or type(numel) is not int or numel < 0:
             raise CorruptCheckpointError(f"{self.where}: malformed storage reference {pid!r}")
         if self.seen.setdefault(key, (dtype, numel)) != (dtype, numel):
@@ -104,7 +103,7 @@ def read_legacy(path: Path) -> Unpickled:
         return _LegacyObject(path, stream, start, bases).load_deferred()
 
 
-def _storage_offsets(path: Path, stream: BinaryIO, keys: list[str], seen: dict[str, tuple[torch.dtype | None, int]],
+def _storage_offsets(path: Path, stream: BinaryIO, keys: list[str], seen: dict[str, tuple[DType | None, int]],
                      size: int) -> dict[str, int]:
     """Where each storage's bytes begin: after its 8-byte element count, the storages in the
     order the key list gives."""

@@ -20,13 +20,12 @@ import functools
 from collections import ChainMap
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.formats.torch.dtensor import DTENSOR_CLASSES, DTensorRef, Record, dtensor_ref, record_class
 from reshard.formats.torch.zip_index import ZipIndex
-from reshard import _torch_compat
+from reshard import dtypes
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.safe_pickle.inert import Inert, Refused, Sealed, inert_name, is_refused
 from reshard.safe_pickle.walk import find_in, replace_in
@@ -35,15 +34,20 @@ from reshard.regions import StoredRegion
 from reshard.storage import close, handle_size, open_read
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads, safe_loads_deferred
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["read_torch_zip", "read_torch_zip_deferred", "load_object_blob", "materialize", "TorchPickle", "DTensorRef",
            "Record", "STORAGE_DTYPES"]
 
+# The storage classes torch.save names in a tensor's persistent id (the usual dtypes' tensors
+# are rebuilt from them with no dtype global of their own).
 STORAGE_DTYPES = {
-    "DoubleStorage": torch.float64, "FloatStorage": torch.float32, "HalfStorage": torch.float16,
-    "LongStorage": torch.int64, "IntStorage": torch.int32, "ShortStorage": torch.int16,
-    "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
-    "BFloat16Storage": torch.bfloat16, "ComplexDoubleStorage": torch.complex128,
-    "ComplexFloatStorage": torch.complex64,
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+    "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "BFloat16Storage": "bfloat16", "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64",
 }
 
 
@@ -67,22 +71,47 @@ def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *_rest: Any) -> Record:
     return Record("wrapper", (dtype, tuple(size)))
 
 
+class _TorchGlobals(dict):
+    """The entries of the allow-list that are torch's own objects (``torch.Size``, a dtype
+    as a value, a layout), made when a pickle first names one: the tensor records of a DCP
+    checkpoint name none, and reading them should not cost ``import torch``."""
+
+    def __missing__(self, key: tuple[str, str]) -> Any:
+        module, name = key
+        if module not in ("torch", "torch.serialization"):  # not torch's: the next table's, or refused
+            raise KeyError(key)
+        import torch
+
+        if key in (("torch", "Size"), ("torch", "device")):
+            value = getattr(torch, name)
+        elif key == ("torch.serialization", "_get_layout"):
+            value = _torch_compat().get_layout
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            value = getattr(torch, name)
+        else:
+            raise KeyError(key)
+        self[key] = value
+        return value
+
+
+def _torch_compat() -> Any:
+    from reshard import _torch_compat
+
+    return _torch_compat
+
+
 @functools.cache
 def _static_globals() -> dict[tuple[str, str], Any]:
     """The part of the allow-list that does not depend on the file being read (built once:
     a DCP checkpoint has a blob per chunk, thousands of them)."""
-    table: dict[tuple[str, str], Any] = {
+    table: dict[tuple[str, str], Any] = _TorchGlobals({
         ("torch._utils", "_rebuild_parameter"): _parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
         ("torch._utils", "_rebuild_wrapper_subclass"): _wrapper_subclass,
         ("torch.storage", "UntypedStorage"): None,
-        ("torch", "Size"): torch.Size,
-        ("torch", "device"): torch.device,
-        ("torch.serialization", "_get_layout"): _torch_compat.get_layout,
-    }
-    table.update({("torch", n): dt for n, dt in _torch_compat.TORCH_DTYPES.items()})
+    })
     # Storage classes name the dtype of a storage (cuda ones in files saved from a GPU).
-    table.update({(m, n): dt for n, dt in STORAGE_DTYPES.items() for m in ("torch", "torch.cuda")})
+    table.update({(m, n): dtypes.by_name(dt) for n, dt in STORAGE_DTYPES.items() for m in ("torch", "torch.cuda")})
     table[("torch", "UntypedStorage")] = None
     table[("torch", "Tensor")] = _TENSOR_TYPE
     table.update({k: record_class(v) for k, v in DTENSOR_CLASSES.items()})
@@ -97,15 +126,16 @@ class TorchPickle:
     path: Path
     where: str
 
-    def storage(self, pid: Any) -> tuple[str, torch.dtype | None, int, int]:
+    def storage(self, pid: Any) -> tuple[str, DType | None, int, int]:
         raise NotImplementedError
 
     def pickle_data(self) -> Any:
         """The pickle: bytes, or a binary file positioned at it."""
         raise NotImplementedError
 
-    def region(self, storage: tuple, offset: int, size: Any, stride: Any, dtype: torch.dtype) -> StoredRegion:
+    def region(self, storage: tuple, offset: int, size: Any, stride: Any, dtype: DType) -> StoredRegion:
         _key, sdtype, base, numel = storage
+        dtype = dtypes.of(dtype)  # a v3 rebuild names a torch dtype
         item = dtype.itemsize
         avail = numel * (1 if sdtype is None else sdtype.itemsize)
         size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
@@ -121,7 +151,7 @@ class TorchPickle:
 
     def globals(self) -> ChainMap:
         def v2(storage, offset, size, stride, *_rest):
-            return self.region(storage, offset, size, stride, storage[1] or torch.uint8)
+            return self.region(storage, offset, size, stride, storage[1] or dtypes.by_name("uint8"))
 
         def v3(storage, offset, size, stride, _rg, _hooks, dtype, *_rest):
             return self.region(storage, offset, size, stride, dtype)
@@ -177,7 +207,7 @@ class _TorchZipReader(TorchPickle):
         if order is not None and self.zip.read(order).strip() not in (b"little", b""):
             raise UnsupportedFormatError(f"{self.where}: big-endian torch files are not supported")
 
-    def storage(self, pid: Any) -> tuple[str, torch.dtype | None, int, int]:
+    def storage(self, pid: Any) -> tuple[str, DType | None, int, int]:
         """persistent_load: ('storage', type, key, location, numel) → (key, dtype, byte offset, numel)."""
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CorruptCheckpointError(f"{self.where}: unexpected persistent id {pid!r}")
@@ -185,7 +215,7 @@ class _TorchZipReader(TorchPickle):
         info = self.zip.entries.get(f"{self.prefix}data/{key}")
         if info is None:
             raise CorruptCheckpointError(f"{self.where}: storage record data/{key} is missing")
-        if not (stype is None or isinstance(stype, torch.dtype)):
+        if not (stype is None or isinstance(stype, DType)):
             raise CorruptCheckpointError(f"{self.where}: storage data/{key} has no storage type")
         dtype = stype  # the allow-list maps storage class names to dtypes (None = untyped bytes)
         item = 1 if dtype is None else dtype.itemsize

@@ -9,7 +9,9 @@ them, and computing them would force every byte through user space.
 Stand-ins for classes the user allowed (``reshard.safe_pickle.inert``) are written back under their
 original global names, so the output loads wherever the input loaded. The C pickler can name
 a class only by importing its module, so a tree holding stand-ins is pickled by the
-pure-Python pickler, which writes those names itself; every other tree by the C one.
+pure-Python pickler, which writes those names itself; every other tree by the C one. Tensors
+are stand-ins too: torch's rebuild function, ``torch.Size`` and the dtype are written by name,
+so writing a checkpoint does not import torch.
 """
 
 from __future__ import annotations
@@ -18,18 +20,21 @@ import _compat_pickle
 import io
 import pickle
 import struct
+import sys
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from reshard import _torch_compat
+from reshard import dtypes
+from reshard.dtypes import DType
 from reshard.errors import UnsafeCheckpointError
 from reshard.pieces import Piece, Segment, segment_size
-from reshard.safe_pickle.inert import Inert, Refused
+from reshard.safe_pickle.inert import Inert, Refused, standin_class
 from reshard.safe_pickle.walk import replace_in
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = ["PieceRef", "torch_pickle", "zip_segments", "torch_save_segments", "embed_tensors", "torch_save_bytes"]
 
@@ -41,8 +46,25 @@ class PieceRef:
     """Marks a tensor in an object tree handed to ``torch_pickle``: storage ``key`` holds it."""
 
     key: str
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, DType):  # a torch dtype
+            object.__setattr__(self, "dtype", dtypes.of(self.dtype))
+
+
+@dataclass(frozen=True)
+class _Call:
+    """``func(*args)`` in the pickle (``func`` a stand-in: written as its global's name)."""
+
+    func: type
+    args: tuple
+
+
+_REBUILD_V3 = standin_class("torch._utils", "_rebuild_tensor_v3")  # what torch.save names for every dtype
+_SIZE = standin_class("torch", "Size")
+_UNTYPED_STORAGE = standin_class("torch.storage", "UntypedStorage")
 
 
 def _reduce_piece(obj: PieceRef) -> tuple:
@@ -53,29 +75,28 @@ def _reduce_piece(obj: PieceRef) -> tuple:
     for s in reversed(obj.shape):
         stride.append(acc)
         acc *= s
-    args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, torch.Size(obj.shape),
-            tuple(reversed(stride)), False, OrderedDict(), obj.dtype)
-    return (_torch_compat.rebuild_tensor_v3, args)
+    args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, _Call(_SIZE, (tuple(obj.shape),)),
+            tuple(reversed(stride)), False, OrderedDict(), standin_class("torch", obj.dtype.name))
+    return (_REBUILD_V3, args)
 
 
 class _HasStandins(Exception):
-    """The tree holds stand-ins: pickle it again with ``_StandinPickler``."""
+    """The tree holds stand-ins (or tensors): pickle it again with ``_StandinPickler``."""
 
 
 def _is_standin_class(obj: Any) -> bool:
     return isinstance(obj, type) and issubclass(obj, (Inert, Refused)) and obj not in (Inert, Refused)
 
 
-class _TorchPickler(pickle.Pickler):
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, _StorageKey):
-            return ("storage", torch.UntypedStorage, obj.key, "cpu", obj.nbytes)
-        return None
+def _persistent_id(obj: Any) -> Any:
+    if isinstance(obj, _StorageKey):
+        return ("storage", _UNTYPED_STORAGE, obj.key, "cpu", obj.nbytes)
+    return None
 
+
+class _TorchPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, PieceRef):
-            return _reduce_piece(obj)
-        if isinstance(obj, (Inert, Refused)) or _is_standin_class(obj):
+        if isinstance(obj, (PieceRef, Inert, Refused)) or _is_standin_class(obj):
             raise _HasStandins
         return NotImplemented
 
@@ -84,10 +105,15 @@ class _StandinPickler(pickle._Pickler):  # type: ignore[name-defined]
     """The pure-Python pickler, for trees that hold stand-ins: a stand-in class is written as
     the global the input named (Python 2 spellings restored, as pickle's protocol 2 does)."""
 
-    persistent_id = _TorchPickler.persistent_id
+    def persistent_id(self, obj: Any) -> Any:
+        return _persistent_id(obj)
 
     def reducer_override(self, obj: Any) -> Any:
-        return _reduce_piece(obj) if isinstance(obj, PieceRef) else NotImplemented
+        if isinstance(obj, PieceRef):
+            return _reduce_piece(obj)
+        if isinstance(obj, _Call):
+            return (obj.func, obj.args)
+        return NotImplemented
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         if not _is_standin_class(obj):
@@ -125,13 +151,15 @@ def embed_tensors(value: Any, records: dict[str, Segment]) -> Any:
     some, in any container or stand-in) replaced by a storage record of its bytes, as
     torch.save would store it."""
 
+    torch = sys.modules.get("torch")  # not imported: nothing here is a tensor
+
     def embed(item: Any) -> Any:
-        if not isinstance(item, torch.Tensor):
+        if torch is None or not isinstance(item, torch.Tensor):
             return item
         t = item.detach().cpu().contiguous()
         key = str(len(records))
         records[key] = t.reshape(-1).view(torch.uint8).numpy().tobytes()
-        return PieceRef(key, t.dtype, tuple(t.shape))
+        return PieceRef(key, dtypes.of(t.dtype), tuple(t.shape))
 
     return replace_in(value, embed)
 

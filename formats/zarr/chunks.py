@@ -16,12 +16,14 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from reshard.boxes import Box, contiguous_range
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Codecs", "EncodedChunk", "FillChunk", "ZSTD_CODECS", "RAW_CODECS", "compress"]
 
@@ -73,7 +75,7 @@ class Codecs:
     """A validated codec list. ``raw`` when the stored bytes are the chunk's little-endian
     C-order elements as they are (no transpose, no compression)."""
 
-    def __init__(self, specs: list[dict[str, Any]], dtype: torch.dtype, where: str) -> None:
+    def __init__(self, specs: list[dict[str, Any]], dtype: DType, where: str) -> None:
         self.where, self.dtype = where, dtype
         self.order: tuple[int, ...] | None = None
         self.big_endian = False
@@ -113,6 +115,8 @@ class Codecs:
 
     def decode(self, data: bytes, chunk_shape: tuple[int, ...], key: str) -> torch.Tensor:
         """The chunk ``chunk_shape`` (padded, as stored) from its stored bytes."""
+        import torch
+
         where = f"{self.where}/{key}"
         expected = math.prod(chunk_shape) * self.dtype.itemsize
         for i, (name, codec) in enumerate(reversed(self.compressors)):
@@ -138,7 +142,7 @@ class Codecs:
         order = self.order or tuple(range(len(chunk_shape)))
         if sorted(order) != list(range(len(chunk_shape))):
             raise CorruptCheckpointError(f"{where}: transpose order {list(order)} is not a permutation of the array's dims")
-        stored = flat.view(self.dtype).reshape([chunk_shape[d] for d in order])
+        stored = flat.view(self.dtype.torch).reshape([chunk_shape[d] for d in order])
         return stored.permute([order.index(d) for d in range(len(order))])
 
 
@@ -176,13 +180,15 @@ class EncodedChunk:
         return data
 
     def read(self, box: Box) -> torch.Tensor:
+        import torch
+
         run = contiguous_range(box, self.chunk_shape) if self.codecs.raw and box.numel else None
         if run is not None:
             item = self.dtype.itemsize
             data = self._fetch(run[0] * item, run[1] * item)
             if len(data) != run[1] * item:
                 raise CorruptCheckpointError(f"{self.store.where}/{self.key}: chunk ends early (truncated?)")
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype).reshape(box.sizes)
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype.torch).reshape(box.sizes)
         if box.sizes == self.chunk_shape:
             return self.codecs.decode(self._fetch(), self.chunk_shape, self.key)
         # The engine reads a chunk in slabs; keep this thread's last decoded chunk, so a chunk

@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import torch
-
 from reshard.boxes import Box
 from reshard.catalog import Target, TargetTensor
+from reshard.dtypes import DType
 from reshard.errors import UsageError
 from reshard.pieces import Piece, Segment
 from reshard.formats.zarr.meta import ZARR_JSON, ArrayMeta
@@ -79,7 +78,7 @@ def _zeros(n: int) -> bytes:
     return bytes(n)  # one shared object per length: every edge row of a tensor pads the same
 
 
-def chunk_segments(name: str, dtype: torch.dtype, box: Box, chunk_shape: tuple[int, ...]) -> list[Segment]:
+def chunk_segments(name: str, dtype: DType, box: Box, chunk_shape: tuple[int, ...]) -> list[Segment]:
     """The chunk file for ``box`` (global, clipped to the array) without its zero tail."""
     sizes = box.sizes
     partial = [d for d, (s, c) in enumerate(zip(sizes, chunk_shape)) if s < c]

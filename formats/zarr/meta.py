@@ -17,12 +17,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
+from reshard import dtypes
 from reshard.boxes import Box
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ZARR_JSON", "DTYPE_ATTR", "MAX_JSON_SIZE", "ArrayMeta", "zarr_dtype_name", "parse_json",
@@ -39,19 +42,17 @@ _NAMED = [
     "float16", "float32", "float64", "complex64", "complex128", "bfloat16",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
 ]
-_BY_NAME: dict[str, torch.dtype] = {n: getattr(torch, n) for n in _NAMED if hasattr(torch, n)}
-_NAME_OF: dict[torch.dtype, str] = {dt: n for n, dt in _BY_NAME.items()}
-_TORCH_NAMES: dict[str, torch.dtype] = {
-    str(dt).removeprefix("torch."): dt for dt in (getattr(torch, n) for n in dir(torch)) if isinstance(dt, torch.dtype)
-}
+_BY_NAME: dict[str, DType] = {n: dtypes.by_name(n) for n in _NAMED}
+_NAME_OF: dict[DType, str] = {dt: n for n, dt in _BY_NAME.items()}
+_TORCH_NAMES: dict[str, DType] = {dt.name: dt for dt in dtypes.DTYPES.values()}
 
 
-def zarr_dtype_name(dtype: torch.dtype) -> str:
+def zarr_dtype_name(dtype: DType) -> str:
     """The ``data_type`` we write: the zarr / extension name, else raw bits of the same size."""
     return _NAME_OF.get(dtype) or f"r{dtype.itemsize * 8}"
 
 
-def _fill_json(dtype: torch.dtype) -> Any:
+def _fill_json(dtype: DType) -> Any:
     name = _NAME_OF.get(dtype)
     if name is None:
         return [0] * dtype.itemsize  # raw bits: one integer per byte
@@ -62,27 +63,30 @@ def _fill_json(dtype: torch.dtype) -> Any:
     return 0.0 if dtype.is_floating_point else 0
 
 
-def fill_tensor(dtype: torch.dtype, value: Any, where: str) -> torch.Tensor:
+def fill_tensor(dtype: DType, value: Any, where: str) -> torch.Tensor:
     """The 0-dim tensor a ``fill_value`` stands for (what missing chunks read as)."""
+    import torch
+
+    tdt = dtype.torch
     bad = CorruptCheckpointError(f"{where}: fill_value {value!r} is not a valid {dtype} value")
     if isinstance(value, list) and dtype not in _NAME_OF:  # raw bits
         if len(value) != dtype.itemsize or not all(type(b) is int and 0 <= b < 256 for b in value):
             raise bad
-        return torch.frombuffer(bytearray(value), dtype=torch.uint8).view(dtype).reshape(())
+        return torch.frombuffer(bytearray(value), dtype=torch.uint8).view(tdt).reshape(())
     if isinstance(value, str) and value.startswith("0x"):  # bit pattern, as the spec allows for floats
         try:
             bits = int(value, 16).to_bytes(dtype.itemsize, "little")
         except (ValueError, OverflowError):
             raise bad from None
-        return torch.frombuffer(bytearray(bits), dtype=torch.uint8).view(dtype).reshape(())
+        return torch.frombuffer(bytearray(bits), dtype=torch.uint8).view(tdt).reshape(())
     specials = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
     def scalar(v: Any) -> Any:
         if isinstance(v, str) and v in specials and (dtype.is_floating_point or dtype.is_complex):
             return specials[v]
-        if type(v) is bool and dtype == torch.bool:
+        if type(v) is bool and dtype.kind == "b":
             return v
-        if type(v) in (int, float) and dtype != torch.bool:
+        if type(v) in (int, float) and dtype.kind != "b":
             if not (dtype.is_floating_point or dtype.is_complex) and type(v) is not int:
                 raise bad
             return v
@@ -91,9 +95,9 @@ def fill_tensor(dtype: torch.dtype, value: Any, where: str) -> torch.Tensor:
     if dtype.is_complex:
         if not isinstance(value, list) or len(value) != 2:
             raise bad
-        return torch.tensor(complex(scalar(value[0]), scalar(value[1])), dtype=dtype)
+        return torch.tensor(complex(scalar(value[0]), scalar(value[1])), dtype=tdt)
     try:
-        return torch.tensor(scalar(value), dtype=dtype)
+        return torch.tensor(scalar(value), dtype=tdt)
     except (RuntimeError, OverflowError):
         raise bad from None
 
@@ -117,7 +121,7 @@ class ArrayMeta:
     """One array's metadata, validated. ``key_prefix``/``separator`` give its chunk keys."""
 
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     chunk_shape: tuple[int, ...]
     codecs: list[dict[str, Any]]
     fill: torch.Tensor | None  # None in layouts we write (the reader always has one)
@@ -150,7 +154,7 @@ def _ints(value: Any, where: str, what: str, minimum: int) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _dtype(doc: dict[str, Any], attributes: dict[str, Any], where: str) -> torch.dtype:
+def _dtype(doc: dict[str, Any], attributes: dict[str, Any], where: str) -> DType:
     name = doc.get("data_type")
     stored = attributes.get(DTYPE_ATTR)
     if isinstance(name, str) and name in _BY_NAME:
@@ -202,7 +206,7 @@ def parse_array_meta(doc: dict[str, Any], where: str) -> ArrayMeta:
     return ArrayMeta(shape, dtype, chunks, codecs, fill, prefix, sep, attributes)
 
 
-def array_meta_json(shape: tuple[int, ...], dtype: torch.dtype, chunk_shape: tuple[int, ...],
+def array_meta_json(shape: tuple[int, ...], dtype: DType, chunk_shape: tuple[int, ...],
                     codecs: list[dict[str, Any]], attributes: dict[str, Any]) -> bytes:
     """An array's ``zarr.json`` as zarr-python and tensorstore write it (default chunk keys)."""
     doc = {
@@ -214,7 +218,7 @@ def array_meta_json(shape: tuple[int, ...], dtype: torch.dtype, chunk_shape: tup
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": _fill_json(dtype),
         "codecs": codecs,
-        "attributes": {DTYPE_ATTR: str(dtype).removeprefix("torch."), **attributes},
+        "attributes": {DTYPE_ATTR: dtype.name, **attributes},
     }
     return json.dumps(doc, indent=2, allow_nan=False).encode()
 

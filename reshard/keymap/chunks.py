@@ -11,14 +11,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from dataclasses import dataclass
 
 from reshard.boxes import Box, full_box
 from reshard.catalog import Chunk, ChunkData, TensorEntry
 from reshard.errors import UsageError
 from reshard.regions import StoredRegion, as_region
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["read_box", "part_chunks", "shifted_chunks", "index_chunks", "stacked_chunks", "RowGather", "rope_rows",
            "gathered_entry"]
@@ -26,7 +29,9 @@ __all__ = ["read_box", "part_chunks", "shifted_chunks", "index_chunks", "stacked
 
 def read_box(entry: TensorEntry, box: Box) -> torch.Tensor:
     """The global ``box`` of ``entry``, assembled from whichever chunks overlap it."""
-    out = torch.empty(box.sizes, dtype=entry.dtype)
+    import torch
+
+    out = torch.empty(box.sizes, dtype=entry.dtype.torch)
     for chunk in entry.chunks:
         part = chunk.box.intersect(box)
         if part is not None:
@@ -132,6 +137,8 @@ def rope_rows(rows: int, heads: int, *, to_halves: bool) -> torch.Tensor:
     ``w.view(n, hd // 2, 2, dim).transpose(1, 2).reshape(n * hd, dim)``; this is that map
     written as row indices (``to_halves=False`` gives its inverse).
     """
+    import torch
+
     if heads <= 0 or rows % heads or (rows // heads) % 2:
         raise UsageError(f"RoPE permutation: {rows} rows do not split into {heads} heads of an even size; "
                          "check n_heads / n_kv_heads in the key map's params or the model config")
@@ -149,12 +156,14 @@ class RowGather:
     rows: torch.Tensor
 
     def read(self, box: Box) -> torch.Tensor:
+        import torch
+
         if box.numel == 0:
-            return torch.empty(box.sizes, dtype=self.source.dtype)
+            return torch.empty(box.sizes, dtype=self.source.dtype.torch)
         want = self.rows[box.offsets[0] : box.offsets[0] + box.sizes[0]]
         order = torch.argsort(want)
         sorted_rows = want[order].tolist()
-        out = torch.empty(box.sizes, dtype=self.source.dtype)
+        out = torch.empty(box.sizes, dtype=self.source.dtype.torch)
         # Runs of needed source rows whose gaps are at most one row: read each run whole and
         # keep the rows wanted; a run reads at most about twice the rows it serves.
         i = 0

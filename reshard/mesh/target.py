@@ -9,10 +9,10 @@ is dropped with a notice naming each entry unless the user asks to keep it as it
 
 from __future__ import annotations
 
-import torch
 
 from reshard.catalog import Catalog, Target, TargetTensor, pick_objects
 from reshard.conventions import PER_RANK, Layout, detect_layout, is_per_rank
+from reshard.dtypes import DType
 from reshard.errors import option
 from reshard.mesh.sharding import MeshSpec, format_placement, mesh_shards
 from reshard.mesh.placements import PlacementPlan, assign_placements
@@ -41,7 +41,7 @@ def uneven_dims(shape: tuple[int, ...], placements: tuple, mesh: MeshSpec) -> li
 
 
 def mesh_target(
-    catalog: Catalog, mesh: MeshSpec, plan: PlacementPlan, *, dtype: torch.dtype | None = None,
+    catalog: Catalog, mesh: MeshSpec, plan: PlacementPlan, *, dtype: DType | None = None,
     only: str | None = None, keep_per_rank: bool = False, layout: Layout | None = None,
 ) -> Target:
     layout = layout or detect_layout(catalog)

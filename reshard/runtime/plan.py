@@ -280,6 +280,6 @@ def make_load_plan(
             if covered != box.numel:
                 raise CorruptCheckpointError(f"{source}: {entry.name!r} stores only {covered} of the {box.numel} "
                                              f"elements of box {box}; the checkpoint is incomplete")
-        items.append(TransferItem(target, entry.name, entry.shape, entry.dtype, boxes, broadcast))
+        items.append(TransferItem(target, entry.name, entry.shape, entry.dtype.torch, boxes, broadcast))
     return LoadPlan(items, slab_bytes, missing, unexpected, dict(catalog.objects), group_values(catalog, layout),
                     notices)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from reshard.boxes import Box, c_order_slabs
+from reshard.dtypes import DType
 from reshard.catalog import TensorEntry
 from reshard.engine import fill_from_sources
 from reshard.plan import sources_for
@@ -87,8 +88,8 @@ class _SendBuffer:
         if self.copied is not None:
             self.copied.synchronize()
 
-    def host_view(self, dtype: torch.dtype, sizes: tuple[int, ...]) -> torch.Tensor:
-        return self.host[: math.prod(sizes) * dtype.itemsize].view(dtype).view(sizes)
+    def host_view(self, dtype: DType, sizes: tuple[int, ...]) -> torch.Tensor:
+        return self.host[: math.prod(sizes) * dtype.itemsize].view(dtype.torch).view(sizes)
 
     def to_wire(self, host: torch.Tensor) -> torch.Tensor:
         """What goes on the wire: ``host`` itself on CPU, its device twin under NCCL."""

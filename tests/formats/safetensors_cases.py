@@ -80,7 +80,7 @@ def write_layout(writer: Any, target: Target, dst: Path, tensors: dict[str, torc
         with open(path, "wb") as out:
             for seg in f.segments:
                 if isinstance(seg, Piece):
-                    part = tensors[seg.name][seg.box.as_slices()].to(seg.dtype)
+                    part = tensors[seg.name][seg.box.as_slices()].to(seg.dtype.torch)
                     out.write(raw_bytes(part).numpy().tobytes())
                 else:
                     out.write(seg)

@@ -29,7 +29,7 @@ def assert_catalog_holds(catalog: Catalog, tensors: dict[str, torch.Tensor]) -> 
     assert set(catalog.tensors) == set(tensors)
     for name, ref in tensors.items():
         entry = catalog.tensors[name]
-        assert (entry.shape, entry.dtype) == (tuple(ref.shape), ref.dtype), name
+        assert (entry.shape, entry.dtype.torch) == (tuple(ref.shape), ref.dtype), name
         (chunk,) = entry.chunks
         assert chunk.box == full_box(ref.shape)
         assert same(chunk.data.read(chunk.box), ref), name
