@@ -76,6 +76,46 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
     assert proc.stdout.strip() == "False", proc.stderr[-500:]
 
 
+def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
+    """Reading metadata and moving bytes need no torch (its import is most of a command's
+    start-up): inspect, verify --quick and conversions without a cast run on numpy, in any
+    direction between DCP, safetensors, torch files and zarr, onto any mesh. What they
+    write is then read back by the outside readers, in this process."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    src = fsdp2_dcp[0]
+    code = ("import sys\nfrom reshard.cli import main\nrc = main(sys.argv[1:])\n"
+            "print('torch' in sys.modules, rc)")
+    commands = [
+        ["inspect", src], ["inspect", src, "--json"],
+        ["convert", src, tmp_path / "all.safetensors"],
+        ["convert", src, tmp_path / "mesh3", "--to-mesh", "3"],
+        ["verify", "--quick", tmp_path / "mesh3"],
+        ["convert", tmp_path / "all.safetensors", tmp_path / "all.pt"],
+        ["inspect", tmp_path / "all.pt"],
+        ["convert", tmp_path / "all.pt", tmp_path / "back.safetensors"],
+        ["convert", tmp_path / "all.safetensors", tmp_path / "all.zarr"],
+        ["inspect", tmp_path / "all.zarr"],
+        ["convert", tmp_path / "all.zarr", tmp_path / "zarr.safetensors"],
+    ]
+    for argv in commands:
+        argv = [str(a) for a in argv]
+        proc = subprocess.run([sys.executable, "-c", code, *argv, "--quiet"] if argv[0] == "convert" else
+                              [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+        assert proc.stdout.strip().splitlines()[-1] == "False 0", (argv, proc.stdout[-300:], proc.stderr[-500:])
+
+    for name in ("all.safetensors", "back.safetensors", "zarr.safetensors"):
+        out = load_file(tmp_path / name)
+        assert set(out) == set(fsdp2_reference), name
+        assert all(torch.equal(out[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+                   for n, t in fsdp2_reference.items()), name
+    sd = {n: torch.empty_like(t) for n, t in fsdp2_reference.items()}
+    dcp.load(sd, checkpoint_id=tmp_path / "mesh3")
+    assert all(torch.equal(sd[n], t) for n, t in fsdp2_reference.items())
+
+
 def test_repr_and_help_of_the_api(fsdp2_dcp) -> None:
     import pydoc
 

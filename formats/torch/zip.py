@@ -72,9 +72,9 @@ def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *_rest: Any) -> Record:
 
 
 class _TorchGlobals(dict):
-    """The entries of the allow-list that are torch's own objects (``torch.Size``, a dtype
-    as a value, a layout), made when a pickle first names one: the tensor records of a DCP
-    checkpoint name none, and reading them should not cost ``import torch``."""
+    """The entries of the allow-list that are torch's own objects (``torch.Size``, a device, a
+    layout), made when a pickle first names one: tensor pickles name none, and reading them
+    should not cost ``import torch``. Dtypes are ``DType`` (``materialize`` gives torch's)."""
 
     def __missing__(self, key: tuple[str, str]) -> Any:
         module, name = key
@@ -86,8 +86,6 @@ class _TorchGlobals(dict):
             value = getattr(torch, name)
         elif key == ("torch.serialization", "_get_layout"):
             value = _torch_compat().get_layout
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            value = getattr(torch, name)
         else:
             raise KeyError(key)
         self[key] = value
@@ -110,6 +108,7 @@ def _static_globals() -> dict[tuple[str, str], Any]:
         ("torch._utils", "_rebuild_wrapper_subclass"): _wrapper_subclass,
         ("torch.storage", "UntypedStorage"): None,
     })
+    table.update({("torch", n): dt for n, dt in dtypes.DTYPES.items()})  # a v3 tensor's dtype, or a value
     # Storage classes name the dtype of a storage (cuda ones in files saved from a GPU).
     table.update({(m, n): dtypes.by_name(dt) for n, dt in STORAGE_DTYPES.items() for m in ("torch", "torch.cuda")})
     table[("torch", "UntypedStorage")] = None
@@ -264,7 +263,16 @@ def load_object_blob(path: Path, start: int, length: int, read: Callable[[Stored
 def materialize(obj: Any, read: Callable[[StoredRegion], torch.Tensor]) -> Any:
     """``obj`` with every tensor still on disk read into memory, wherever it sits (a dict, a
     deque, a stand-in's arguments...); containers keep their types."""
-    return replace_in(obj, lambda x: read(x) if isinstance(x, StoredRegion) else x)
+    return replace_in(obj, _materialized(read))
+
+
+def _materialized(read: Callable[[StoredRegion], torch.Tensor]) -> Callable[[Any], Any]:
+    def one(x: Any) -> Any:
+        if isinstance(x, StoredRegion):
+            return read(x)
+        return x.torch if isinstance(x, DType) else x  # a dtype among the values: torch's, as torch.load gives
+
+    return one
 
 
 _materialize = materialize  # the name formats/dcp/zstd.py imports

@@ -54,16 +54,7 @@ class PieceRef:
             object.__setattr__(self, "dtype", dtypes.of(self.dtype))
 
 
-@dataclass(frozen=True)
-class _Call:
-    """``func(*args)`` in the pickle (``func`` a stand-in: written as its global's name)."""
-
-    func: type
-    args: tuple
-
-
 _REBUILD_V3 = standin_class("torch._utils", "_rebuild_tensor_v3")  # what torch.save names for every dtype
-_SIZE = standin_class("torch", "Size")
 _UNTYPED_STORAGE = standin_class("torch.storage", "UntypedStorage")
 
 
@@ -75,8 +66,8 @@ def _reduce_piece(obj: PieceRef) -> tuple:
     for s in reversed(obj.shape):
         stride.append(acc)
         acc *= s
-    args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, _Call(_SIZE, (tuple(obj.shape),)),
-            tuple(reversed(stride)), False, OrderedDict(), standin_class("torch", obj.dtype.name))
+    args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, tuple(obj.shape),  # a tuple, as torch.save writes it
+            tuple(reversed(stride)), False, OrderedDict(), obj.dtype)
     return (_REBUILD_V3, args)
 
 
@@ -96,7 +87,7 @@ def _persistent_id(obj: Any) -> Any:
 
 class _TorchPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, (PieceRef, Inert, Refused)) or _is_standin_class(obj):
+        if isinstance(obj, (PieceRef, DType, Inert, Refused)) or _is_standin_class(obj):
             raise _HasStandins
         return NotImplemented
 
@@ -108,11 +99,14 @@ class _StandinPickler(pickle._Pickler):  # type: ignore[name-defined]
     def persistent_id(self, obj: Any) -> Any:
         return _persistent_id(obj)
 
+    def save(self, obj: Any, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, DType):  # torch's global of that name, as torch.save writes a dtype
+            obj = standin_class("torch", obj.name)
+        super().save(obj, save_persistent_id)
+
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, PieceRef):
             return _reduce_piece(obj)
-        if isinstance(obj, _Call):
-            return (obj.func, obj.args)
         return NotImplemented
 
     def save_global(self, obj: Any, name: str | None = None) -> None:

@@ -152,12 +152,14 @@ _last_decoded = threading.local()
 class FillChunk:
     """A chunk that was never written: every element is the array's ``fill_value``."""
 
-    def __init__(self, fill: torch.Tensor) -> None:
-        self.fill = fill
-        self.dtype = fill.dtype
+    def __init__(self, fill: bytes, dtype: DType) -> None:
+        self.fill, self.dtype = fill, dtype
 
     def read(self, box: Box) -> torch.Tensor:
-        return self.fill.expand(box.sizes).clone()
+        import torch
+
+        one = torch.frombuffer(bytearray(self.fill), dtype=torch.uint8).view(self.dtype.torch).reshape(())
+        return one.expand(box.sizes).clone()
 
 
 class EncodedChunk:

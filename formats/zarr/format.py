@@ -96,7 +96,7 @@ class _Reader:
             key, box = meta.chunk_key(coords), meta.chunk_box(coords)
             size = sizes.get(key)
             if size is None:
-                data: Any = FillChunk(meta.fill)  # zarr writers skip chunks that are all fill_value
+                data: Any = FillChunk(meta.fill, meta.dtype)  # zarr writers skip chunks that are all fill_value
             elif codecs.raw and size != meta.chunk_nbytes:
                 raise CorruptCheckpointError(
                     f"{self.store.where}/{_join(prefix, key)}: {size} bytes, expected {meta.chunk_nbytes} for a chunk of "

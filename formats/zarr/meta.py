@@ -17,19 +17,18 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from reshard import dtypes
 from reshard.boxes import Box
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 
-if TYPE_CHECKING:
-    import torch
-
 __all__ = [
     "ZARR_JSON", "DTYPE_ATTR", "MAX_JSON_SIZE", "ArrayMeta", "zarr_dtype_name", "parse_json",
-    "parse_array_meta", "array_meta_json", "group_meta_json", "fill_tensor",
+    "parse_array_meta", "array_meta_json", "group_meta_json", "fill_bytes",
 ]
 
 ZARR_JSON = "zarr.json"
@@ -63,22 +62,26 @@ def _fill_json(dtype: DType) -> Any:
     return 0.0 if dtype.is_floating_point else 0
 
 
-def fill_tensor(dtype: DType, value: Any, where: str) -> torch.Tensor:
-    """The 0-dim tensor a ``fill_value`` stands for (what missing chunks read as)."""
-    import torch
+# Dtypes numpy converts a Python float (or complex) to exactly as torch does: one IEEE
+# rounding from double. The others (bfloat16, float16, float8) go through torch.
+_NUMPY_EXACT = frozenset({"float32", "float64", "complex64", "complex128"})
+# Dtypes whose +0.0 is all zero bits: a zero fill (what writers use) needs no torch either.
+_ZERO_IS_ZEROS = frozenset({"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                            "float8_e5m2fnuz"})
 
-    tdt = dtype.torch
+
+def fill_bytes(dtype: DType, value: Any, where: str) -> bytes:
+    """The bytes of the one element a ``fill_value`` stands for (what missing chunks read as)."""
     bad = CorruptCheckpointError(f"{where}: fill_value {value!r} is not a valid {dtype} value")
     if isinstance(value, list) and dtype not in _NAME_OF:  # raw bits
         if len(value) != dtype.itemsize or not all(type(b) is int and 0 <= b < 256 for b in value):
             raise bad
-        return torch.frombuffer(bytearray(value), dtype=torch.uint8).view(tdt).reshape(())
+        return bytes(value)
     if isinstance(value, str) and value.startswith("0x"):  # bit pattern, as the spec allows for floats
         try:
-            bits = int(value, 16).to_bytes(dtype.itemsize, "little")
+            return int(value, 16).to_bytes(dtype.itemsize, "little")
         except (ValueError, OverflowError):
             raise bad from None
-        return torch.frombuffer(bytearray(bits), dtype=torch.uint8).view(tdt).reshape(())
     specials = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
     def scalar(v: Any) -> Any:
@@ -95,9 +98,24 @@ def fill_tensor(dtype: DType, value: Any, where: str) -> torch.Tensor:
     if dtype.is_complex:
         if not isinstance(value, list) or len(value) != 2:
             raise bad
-        return torch.tensor(complex(scalar(value[0]), scalar(value[1])), dtype=tdt)
+        number: Any = complex(scalar(value[0]), scalar(value[1]))
+    else:
+        number = scalar(value)
+    if dtype.kind == "b":
+        return b"\x01" if number else b"\x00"
+    if dtype.kind in "iu":
+        try:
+            return number.to_bytes(dtype.itemsize, "little", signed=dtype.kind == "i")
+        except OverflowError:
+            raise bad from None
+    if dtype.name in _NUMPY_EXACT:
+        return np.array(number, dtype=dtype.name).tobytes()
+    if dtype.name in _ZERO_IS_ZEROS and number == 0 and math.copysign(1.0, number) > 0:
+        return bytes(dtype.itemsize)
+    import torch
+
     try:
-        return torch.tensor(scalar(value), dtype=tdt)
+        return torch.tensor(number, dtype=dtype.torch).reshape(1).view(torch.uint8).numpy().tobytes()
     except (RuntimeError, OverflowError):
         raise bad from None
 
@@ -124,7 +142,7 @@ class ArrayMeta:
     dtype: DType
     chunk_shape: tuple[int, ...]
     codecs: list[dict[str, Any]]
-    fill: torch.Tensor | None  # None in layouts we write (the reader always has one)
+    fill: bytes | None  # one element's bytes; None in layouts we write (the reader always has one)
     key_prefix: str  # "c" for the default encoding, "" for v2
     separator: str
     attributes: dict[str, Any] = field(default_factory=dict)
@@ -202,7 +220,7 @@ def parse_array_meta(doc: dict[str, Any], where: str) -> ArrayMeta:
         raise CorruptCheckpointError(f"{where}: codecs must be a list of {{'name': ...}} objects")
     dtype = _dtype(doc, attributes, where)
     prefix, sep = _key_encoding(doc.get("chunk_key_encoding"), where)
-    fill = fill_tensor(dtype, doc.get("fill_value"), where)
+    fill = fill_bytes(dtype, doc.get("fill_value"), where)
     return ArrayMeta(shape, dtype, chunks, codecs, fill, prefix, sep, attributes)
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import reshard
@@ -137,3 +139,43 @@ def test_compressed_chunks_fit_the_memory_budget(tmp_path: Path) -> None:
         reshard.convert(tmp_path / "big.zarr", tmp_path / "out.pt", max_memory="5MiB", quiet=True)
     reshard.convert(tmp_path / "big.zarr", tmp_path / "out.pt", max_memory="10MiB", quiet=True)
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], w)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(["float32", "float64", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+                             "complex64", "complex128", "int8", "uint8", "int64", "bool"]),
+       value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-300, 300),
+                       st.sampled_from(["NaN", "Infinity", "-Infinity", 0.0, -0.0, 0, True, False])),
+       imag=st.floats(allow_nan=False, allow_infinity=False, width=32))
+def test_fill_values_are_the_bytes_torch_makes_of_them(name: str, value: object, imag: float) -> None:
+    """``fill_bytes`` converts without torch where numpy rounds as torch does; whatever the
+    path, the bytes are torch's own for that value, and what does not fit is refused."""
+    from reshard import dtypes
+    from reshard.formats.zarr.meta import fill_bytes
+
+    dtype = dtypes.by_name(name)
+    json_value = [value, imag] if dtype.is_complex else value
+    specials = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+    number = specials.get(value, value) if isinstance(value, str) else value
+    numeric = dtype.is_floating_point or dtype.is_complex
+    if dtype.kind == "b":
+        fits = type(number) is bool
+    else:
+        fits = type(number) in (int, float) and (numeric or type(number) is int)
+    if isinstance(value, str) and not numeric:
+        fits = False
+    if fits and dtype.kind in "iu":  # in range, as zarr requires (torch would wrap -1 into a uint8)
+        info = np.iinfo(name)
+        fits = info.min <= number <= info.max
+    try:
+        expected = None
+        if fits:
+            scalar = complex(number, imag) if dtype.is_complex else number
+            expected = torch.tensor(scalar, dtype=dtype.torch).reshape(1).view(torch.uint8).numpy().tobytes()
+    except (RuntimeError, OverflowError):
+        expected = None
+    if expected is None:
+        with pytest.raises(CorruptCheckpointError, match="fill_value"):
+            fill_bytes(dtype, json_value, "a")
+    else:
+        assert fill_bytes(dtype, json_value, "a") == expected
