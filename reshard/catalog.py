@@ -7,6 +7,7 @@ hyper-parameters, configs). Formats build catalogs; plans and engines consume th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,10 +62,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def columns(self) -> tuple[np.ndarray, np.ndarray]:

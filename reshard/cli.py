@@ -513,8 +513,13 @@ def _collect_young_garbage_only() -> None:
     """Planning a checkpoint saved by hundreds of ranks makes millions of small objects (boxes,
     chunk readers), none in a reference cycle, and with the default thresholds the collector
     walks all of them again and again: 10 of 23 s of a 256-rank ``--dry-run``. Young objects
-    are still collected; full passes become rare. Only the console script does this."""
+    are still collected; full passes become rare, and what a paused build made is frozen
+    rather than walked once more (``gc_pause.freeze_on_resume``). Only the console script
+    does this."""
+    from reshard.gc_pause import freeze_on_resume
+
     gc.set_threshold(100_000, 50, 1000)
+    freeze_on_resume()
 
 
 def _return_large_blocks_to_the_system() -> None:

@@ -32,6 +32,7 @@ import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
 from reshard.gc_pause import without_gc
@@ -161,6 +162,9 @@ def in_sections(name: str, sections: tuple[str, ...]) -> bool:
     return name.startswith(prefixes) or name in whole
 
 
+_OTHER, _PER_RANK = Place(OTHER), Place(PER_RANK)
+
+
 class Layout:
     """A convention applied to one checkpoint's names."""
 
@@ -177,6 +181,8 @@ class Layout:
         self._state = opt + "state." if opt is not None else None
         self._groups = opt + "param_groups." if opt is not None else None
         self._sections = convention.sections + ((opt,) if opt else ()) + _PROVENANCE
+        self._model, self._key_fqn = convention.model, convention.state_order == "key-fqn"
+        self._per_rank = _globs_regex(convention.per_rank)  # is_per_rank's test, looked up once
 
     @property
     def name(self) -> str:
@@ -189,32 +195,33 @@ class Layout:
         return found
 
     def _place(self, name: str) -> Place:
-        c = self.convention
+        # Called for every name of every candidate convention: no keyword arguments to
+        # Place, the convention's fields read once in __init__, shared tuples for bare roles.
         state, groups = self._state, self._groups
         if state is not None and groups is not None:
-            if name.startswith(state) and c.state_order == "key-fqn":
-                key, _, fqn = name[len(state):].partition(".")
-                return Place(OPTIM_STATE, fqn, key, prefix=f"{state}{key}.") if fqn else Place(OTHER)
             if name.startswith(state):
+                if self._key_fqn:
+                    key, _, fqn = name[len(state):].partition(".")
+                    return Place(OPTIM_STATE, fqn, key, None, f"{state}{key}.", "") if fqn else _OTHER
                 fqn, _, key = name[len(state):].rpartition(".")
-                return Place(OPTIM_STATE, fqn, key, prefix=state, suffix="." + key) if fqn else Place(OTHER)
+                return Place(OPTIM_STATE, fqn, key, None, state, "." + key) if fqn else _OTHER
             if name.startswith(groups):
                 rest = name[len(groups):]
                 if self.groups == "index":
                     index, _, key = rest.partition(".")
                     if index.isdigit() and key:
-                        return Place(OPTIM_GROUP, key=key, group=int(index))
-                    return Place(OTHER)
+                        return Place(OPTIM_GROUP, None, key, int(index))
+                    return _OTHER
                 fqn, _, key = rest.rpartition(".")
-                return Place(OPTIM_GROUP, fqn, key, prefix=groups, suffix="." + key) if fqn else Place(OTHER)
-        if c.model and name.startswith(c.model) and len(name) > len(c.model):
-            return Place(PARAM, name[len(c.model):], prefix=c.model)
-        if is_per_rank(name, c.per_rank):
-            return Place(PER_RANK)
-        if c.model != "":
-            return Place(OTHER)
-        if in_sections(name, self._sections):
-            return Place(OTHER)
+                return Place(OPTIM_GROUP, fqn, key, None, groups, "." + key) if fqn else _OTHER
+        model = self._model
+        if model and name.startswith(model) and len(name) > len(model):
+            return Place(PARAM, name[len(model):], None, None, model, "")
+        pattern = self._per_rank
+        if (pattern is not None and pattern.match(name) is not None) or _has_per_rank_part(name):
+            return _PER_RANK
+        if model != "" or in_sections(name, self._sections):
+            return _OTHER
         return Place(PARAM, name)
 
     def role(self, name: str) -> str:
@@ -307,6 +314,13 @@ def _evidence(convention: Convention, catalog: Catalog, heads: set[str] | None =
     markers = tuple(m for m in convention.markers if m in heads)
     if convention.markers and not markers:
         return None
+    nested = bool(convention.model) and any(len(path) >= 2 and path[0] == convention.model[:-1]
+                                            for path in catalog.paths.values())
+    state = convention.optimizer + "state." if convention.optimizer is not None else None
+    if convention.model != "" and not nested and (state is None or not any(map(str.startswith, tensors, repeat(state)))):
+        # No optimizer state, nothing nested: a convention with a model section explains
+        # nothing the checks below would accept (and placing 100k names says so slowly).
+        return None
     groups = _groups_style(convention, objects)
     layout = Layout(convention, tensors + objects, groups)
     places = [(n, layout._place(n)) for n in tensors]  # not kept: the layout chosen is made anew
@@ -324,8 +338,6 @@ def _evidence(convention: Convention, catalog: Catalog, heads: set[str] | None =
     if states and not matched and not by_id and params:
         return None  # optimizer state that finds none of the parameters: wrong model prefix
     alone = len(states) if not params else 0  # optimizer state without a model beside it (accelerate's folder)
-    nested = bool(convention.model) and any(len(path) >= 2 and path[0] == convention.model[:-1]
-                                            for path in catalog.paths.values())
     if convention.model and not (nested or matched or by_id or alone):
         return None
     sections = convention.sections + _PROVENANCE

@@ -15,7 +15,20 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import ParamSpec, TypeVar
 
-__all__ = ["paused_gc", "without_gc"]
+__all__ = ["paused_gc", "without_gc", "freeze_on_resume"]
+
+# The console script's choice (``freeze_on_resume``): a library must not freeze its host's heap.
+_freeze = False
+
+
+def freeze_on_resume() -> None:
+    """From now on, move every object alive when a pause ends into the permanent generation
+    (``gc.freeze``) before collecting resumes. Otherwise the first allocation after the pause
+    walks everything the pause built, once (0.3 s of a 100k-tensor ``inspect``): objects that
+    live until the command exits anyway, in no cycle. For a short-lived process only: cyclic
+    garbage alive at that moment is never collected."""
+    global _freeze
+    _freeze = True
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -30,6 +43,8 @@ def paused_gc() -> Iterator[None]:
         yield
     finally:
         if was:
+            if _freeze:
+                gc.freeze()
             gc.enable()
 
 

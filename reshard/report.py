@@ -14,6 +14,7 @@ import numpy as np
 from reshard.catalog import Catalog
 from reshard.conventions import AmbiguousLayoutError, detect_layout
 from reshard.dtypes import dtype_name
+from reshard.gc_pause import without_gc
 from reshard.sizes import format_size
 
 __all__ = ["CatalogReport", "catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr", "dry_run_table", "format_name", "summary_line"]
@@ -106,6 +107,7 @@ class ChunkBoxesText:
         return [{"offsets": o, "sizes": z} for o, z in zip(self.offsets.tolist(), self.sizes.tolist())]
 
 
+@without_gc  # 100k tensors' dicts and lists: no cycles, and the collector's passes cost more than the encoding
 def compact_json(doc: Any) -> str:
     """``doc`` as JSON without indentation, with ``ChunkBoxesText`` values written as text."""
     texts: list[str] = []
@@ -124,6 +126,7 @@ def compact_json(doc: Any) -> str:
     return "".join(out)
 
 
+@without_gc
 def catalog_json(catalog: Catalog, *, chunks_as_text: bool = False) -> dict[str, Any]:
     """The contract's JSON of ``catalog``; ``chunks_as_text``: chunk lists as ``ChunkBoxesText``
     for ``compact_json`` (the CLI's way for big checkpoints), else plain lists."""
@@ -159,6 +162,7 @@ def catalog_json(catalog: Catalog, *, chunks_as_text: bool = False) -> dict[str,
     }
 
 
+@without_gc
 def catalog_table(catalog: Catalog) -> str:
     schemes, scales = _quantized(catalog)
 

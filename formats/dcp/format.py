@@ -145,11 +145,13 @@ def _lazy_entry(name: str, shape: tuple[int, ...], dtype: DType, table: ChunkTab
     chunk cost more than the rest of planning)."""
     # No empty shards (the usual case): the columns as they are, not copies.
     rows = None if table.sizes.all() else table.nonempty()
-    located = np.full(len(table), -1, dtype=np.int64)  # each record's tensor data offset, once known
+    located: list[np.ndarray] = []  # each record's tensor data offset, once known: made when first asked
 
     def make(i: int, box: Box) -> ChunkData:
         k = i if rows is None else int(rows[i])
-        return _LazyChunk(file_paths[table.file[k]], name, table, k, located, box, dtype)
+        if not located:
+            located.append(np.full(len(table), -1, dtype=np.int64))
+        return _LazyChunk(file_paths[table.file[k]], name, table, k, located[0], box, dtype)
 
     def paths() -> set[Path]:
         return {file_paths[f] for f in np.unique(table.file if rows is None else table.file[rows]).tolist()}
