@@ -95,10 +95,19 @@ def _buffer(into: torch.Tensor | None, sizes: tuple[int, ...], dtype: DType) -> 
     return into[:nbytes].view(dtype.torch).view(sizes)
 
 
+def _byte_source(data: ChunkData) -> StoredRegion | ChunkData | None:
+    """What gives ``data``'s bytes as they are: its file region, or the data itself when it
+    reads arrays of its dtype's width (``read_array``: a decoded zarr chunk); else None."""
+    region = as_region(data)
+    if region is not None:
+        return region
+    return data if callable(getattr(data, "read_array", None)) else None
+
+
 def moves_bytes(dtype: DType, sources: list[Source]) -> bool:
-    """Whether every source is stored bytes of ``dtype`` (a file region, no cast, nothing to
-    compute): then the piece is assembled by ``assemble_bytes``, without torch."""
-    return all((r := as_region(s.chunk.data)) is not None and r.dtype is dtype for s in sources)
+    """Whether every source is stored bytes of ``dtype`` (no cast, nothing to compute): then
+    the piece is assembled by ``assemble_bytes``, without torch."""
+    return all((b := _byte_source(s.chunk.data)) is not None and b.dtype is dtype for s in sources)
 
 
 def _array_buffer(into: np.ndarray | None, sizes: tuple[int, ...], dtype: DType) -> np.ndarray:
@@ -109,7 +118,10 @@ def _array_buffer(into: np.ndarray | None, sizes: tuple[int, ...], dtype: DType)
     return into[:nbytes].view(dtype.bytes_dtype).reshape(sizes)
 
 
-def _read_array_part(region: StoredRegion, box: Box, fds: FdPool | None, into: np.ndarray | None) -> np.ndarray:
+def _read_array_part(data: ChunkData, box: Box, fds: FdPool | None, into: np.ndarray | None) -> np.ndarray:
+    region = as_region(data)
+    if region is None:
+        return data.read_array(box)  # type: ignore[attr-defined]  # moves_bytes said it can
     if fds is None:
         fd = open_read(region.path)
         try:
@@ -127,7 +139,7 @@ def assemble_bytes(piece_box: Box, dtype: DType, sources: list[Source], fds: FdP
     scratch). Byte copies between files need no torch: numpy moves them as torch would."""
     if len(sources) == 1 and sources[0].box.intersect(piece_box) == piece_box:
         src = sources[0]
-        return _read_array_part(as_region(src.chunk.data), piece_box.shifted(src.chunk.box.offsets), fds, into)
+        return _read_array_part(src.chunk.data, piece_box.shifted(src.chunk.box.offsets), fds, into)
     out = _array_buffer(into, piece_box.sizes, dtype)
     for src in sources:
         part = src.box.intersect(piece_box)
@@ -135,7 +147,7 @@ def assemble_bytes(piece_box: Box, dtype: DType, sources: list[Source], fds: FdP
             continue
         local = part.shifted(piece_box.offsets)
         dest = array_run(out, local)
-        data = _read_array_part(as_region(src.chunk.data), part.shifted(src.chunk.box.offsets), fds, dest)
+        data = _read_array_part(src.chunk.data, part.shifted(src.chunk.box.offsets), fds, dest)
         if dest is None or not data.size or data.ctypes.data != dest.ctypes.data:  # not read in place
             out[local.as_slices()] = data
     return out

@@ -79,7 +79,7 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
 def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
     """Reading metadata and moving bytes need no torch (its import is most of a command's
     start-up): inspect, verify --quick and conversions without a cast run on numpy, in any
-    direction between DCP, safetensors, torch files and zarr, onto any mesh. What they
+    direction between DCP, safetensors, torch files and zarr (compressed too), onto any mesh. What they
     write is then read back by the outside readers, in this process."""
     import torch
     import torch.distributed.checkpoint as dcp
@@ -99,6 +99,9 @@ def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Pa
         ["convert", tmp_path / "all.safetensors", tmp_path / "all.zarr"],
         ["inspect", tmp_path / "all.zarr"],
         ["convert", tmp_path / "all.zarr", tmp_path / "zarr.safetensors"],
+        ["convert", tmp_path / "all.safetensors", tmp_path / "packed.zarr", "--compress"],
+        ["convert", tmp_path / "packed.zarr", tmp_path / "packed", "--to-mesh", "2"],
+        ["convert", tmp_path / "packed", tmp_path / "packed.safetensors"],
     ]
     for argv in commands:
         argv = [str(a) for a in argv]
@@ -106,7 +109,7 @@ def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Pa
                               [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
         assert proc.stdout.strip().splitlines()[-1] == "False 0", (argv, proc.stdout[-300:], proc.stderr[-500:])
 
-    for name in ("all.safetensors", "back.safetensors", "zarr.safetensors"):
+    for name in ("all.safetensors", "back.safetensors", "zarr.safetensors", "packed.safetensors"):
         out = load_file(tmp_path / name)
         assert set(out) == set(fsdp2_reference), name
         assert all(torch.equal(out[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))

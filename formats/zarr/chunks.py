@@ -18,9 +18,12 @@ import struct
 import threading
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from reshard.boxes import Box, contiguous_range
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
+from reshard.regions import as_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -113,10 +116,9 @@ class Codecs:
     def raw(self) -> bool:
         return not self.compressors and not self.big_endian and (self.order is None or self.order == tuple(sorted(self.order)))
 
-    def decode(self, data: bytes, chunk_shape: tuple[int, ...], key: str) -> torch.Tensor:
-        """The chunk ``chunk_shape`` (padded, as stored) from its stored bytes."""
-        import torch
-
+    def decode(self, data: bytes, chunk_shape: tuple[int, ...], key: str) -> np.ndarray:
+        """The chunk ``chunk_shape`` (padded, as stored) from its stored bytes, as an array of
+        the dtype's width (``DType.bytes_dtype``; a transposed view when stored transposed)."""
         where = f"{self.where}/{key}"
         expected = math.prod(chunk_shape) * self.dtype.itemsize
         for i, (name, codec) in enumerate(reversed(self.compressors)):
@@ -134,16 +136,16 @@ class Codecs:
                 f"{where}: chunk holds {len(data)} bytes, expected {expected} for {list(chunk_shape)} {self.dtype} "
                 "(truncated, or zarr.json's shape does not match the data)"
             )
-        buf = data if isinstance(data, bytearray) else bytearray(data)  # torch wants a writable buffer
-        flat = torch.frombuffer(buf, dtype=torch.uint8) if expected else torch.empty(0, dtype=torch.uint8)
+        buf = data if isinstance(data, bytearray) else bytearray(data)  # writable: callers may view it as a tensor
+        flat = np.frombuffer(buf, dtype=np.uint8)
         if self.big_endian:
             unit = self.dtype.itemsize // 2 if self.dtype.is_complex else self.dtype.itemsize
-            flat = flat.reshape(-1, unit).flip(-1).reshape(-1)
+            flat = np.ascontiguousarray(flat.reshape(-1, unit)[:, ::-1]).reshape(-1)
         order = self.order or tuple(range(len(chunk_shape)))
         if sorted(order) != list(range(len(chunk_shape))):
             raise CorruptCheckpointError(f"{where}: transpose order {list(order)} is not a permutation of the array's dims")
-        stored = flat.view(self.dtype.torch).reshape([chunk_shape[d] for d in order])
-        return stored.permute([order.index(d) for d in range(len(order))])
+        stored = flat.view(self.dtype.bytes_dtype).reshape([chunk_shape[d] for d in order])
+        return stored.transpose([order.index(d) for d in range(len(order))])
 
 
 _last_decoded = threading.local()
@@ -156,10 +158,11 @@ class FillChunk:
         self.fill, self.dtype = fill, dtype
 
     def read(self, box: Box) -> torch.Tensor:
-        import torch
+        return as_tensor(self.read_array(box), self.dtype)
 
-        one = torch.frombuffer(bytearray(self.fill), dtype=torch.uint8).view(self.dtype.torch).reshape(())
-        return one.expand(box.sizes).clone()
+    def read_array(self, box: Box) -> np.ndarray:
+        one = np.frombuffer(self.fill, dtype=np.uint8).view(self.dtype.bytes_dtype).reshape(())
+        return np.broadcast_to(one, box.sizes).copy()
 
 
 class EncodedChunk:
@@ -182,15 +185,17 @@ class EncodedChunk:
         return data
 
     def read(self, box: Box) -> torch.Tensor:
-        import torch
+        return as_tensor(self.read_array(box), self.dtype)
 
+    def read_array(self, box: Box) -> np.ndarray:
+        """``box``'s bytes as an array of the dtype's width (``DType.bytes_dtype``)."""
         run = contiguous_range(box, self.chunk_shape) if self.codecs.raw and box.numel else None
         if run is not None:
             item = self.dtype.itemsize
             data = self._fetch(run[0] * item, run[1] * item)
             if len(data) != run[1] * item:
                 raise CorruptCheckpointError(f"{self.store.where}/{self.key}: chunk ends early (truncated?)")
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.dtype.torch).reshape(box.sizes)
+            return np.frombuffer(bytearray(data), dtype=np.uint8).view(self.dtype.bytes_dtype).reshape(box.sizes)
         if box.sizes == self.chunk_shape:
             return self.codecs.decode(self._fetch(), self.chunk_shape, self.key)
         # The engine reads a chunk in slabs; keep this thread's last decoded chunk, so a chunk
@@ -203,4 +208,4 @@ class EncodedChunk:
             _last_decoded.entry = last = None  # the previous chunk goes before the next is decoded
             chunk = self.codecs.decode(self._fetch(), self.chunk_shape, self.key)
             _last_decoded.entry = (self, chunk)
-        return chunk[box.as_slices()].clone()
+        return chunk[box.as_slices()].copy()
