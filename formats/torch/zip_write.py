@@ -10,8 +10,8 @@ Stand-ins for classes the user allowed (``reshard.safe_pickle.inert``) are writt
 original global names, so the output loads wherever the input loaded. The C pickler can name
 a class only by importing its module, so a tree holding stand-ins is pickled by the
 pure-Python pickler, which writes those names itself; every other tree by the C one. Tensors
-are stand-ins too: torch's rebuild function, ``torch.Size`` and the dtype are written by name,
-so writing a checkpoint does not import torch.
+go that way too: torch's rebuild function, its storage class and the dtype are stand-ins
+written by name, so writing a torch file does not import torch.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reshard import dtypes
 from reshard.dtypes import DType
@@ -32,9 +32,6 @@ from reshard.errors import UnsafeCheckpointError
 from reshard.pieces import Piece, Segment, segment_size
 from reshard.safe_pickle.inert import Inert, Refused, standin_class
 from reshard.safe_pickle.walk import replace_in
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["PieceRef", "torch_pickle", "zip_segments", "torch_save_segments", "embed_tensors", "torch_save_bytes"]
 
