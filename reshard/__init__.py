@@ -47,11 +47,14 @@ _LAZY = {
 def inspect(path: str | os.PathLike, *, layout: str | None = None) -> Catalog:
     """The catalog of checkpoint ``path`` (a path, a zarr URL, or a Hub repo id as ``convert``
     takes them): every tensor's shape, dtype and chunks, and the objects. Reads metadata only,
-    never tensor data. ``layout`` names the tool whose conventions the checkpoint follows when
-    detection gets it wrong (``reshard.conventions``).
+    never tensor data, and does not import torch: a tensor's ``dtype`` is a
+    ``reshard.dtypes.DType`` (torch's name and width; ``.torch`` gives torch's dtype).
+    ``layout`` names the tool whose conventions the checkpoint follows when detection gets it
+    wrong (``reshard.conventions``).
 
     >>> cat = reshard.inspect("ckpt/")
     >>> cat                      # a one-screen summary; print(cat.table()) for every tensor
+    >>> cat.tensors["model.embed.weight"].dtype.torch is torch.bfloat16
     """
     from reshard.sources import read_catalog
 
