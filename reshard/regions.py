@@ -193,7 +193,9 @@ def bytes_of_run(out: torch.Tensor, box: Box, dtype: DType | None) -> torch.Tens
     run = contiguous_range(box, tuple(out.shape))
     if run is None or not run[1]:
         return None
-    return as_tensor(as_array(out.view(-1)[run[0]: run[0] + run[1]]).view(np.uint8), dtypes.by_name("uint8"))
+    import torch
+
+    return out.detach().view(-1)[run[0]: run[0] + run[1]].view(torch.uint8)  # a write target only
 
 
 def array_run(out: np.ndarray, box: Box) -> np.ndarray | None:
