@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -74,12 +75,11 @@ def _numpy_difference(x: Any, y: Any) -> str | None:
 def difference(x: Any, y: Any, where: str = "") -> str | None:
     """None when ``x`` and ``y`` are the same value (type, structure, bits); otherwise where
     (``[key][0]``) and how they first differ, in words."""
-    import torch
-
+    torch = sys.modules.get("torch")  # not imported: no value here is a tensor
     at = f" at {where}" if where else ""
     if type(x) is not type(y):
         return f"{type(x).__name__} {_short(x)} vs {type(y).__name__} {_short(y)}{at}"
-    if isinstance(x, torch.Tensor):
+    if torch is not None and isinstance(x, torch.Tensor):
         why = _tensor_difference(x, y)
         return f"{why}{at}" if why else None
     if isinstance(x, float):

@@ -78,7 +78,7 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
 
 def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
     """Reading metadata and moving bytes need no torch (its import is most of a command's
-    start-up): inspect, verify --quick and conversions without a cast run on numpy, in any
+    start-up): inspect, verify (bit for bit) and conversions without a cast run on numpy, in any
     direction between DCP, safetensors, torch files and zarr (compressed too), onto any mesh. What they
     write is then read back by the outside readers, in this process."""
     import torch
@@ -93,6 +93,7 @@ def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Pa
         ["convert", src, tmp_path / "all.safetensors"],
         ["convert", src, tmp_path / "mesh3", "--to-mesh", "3"],
         ["verify", "--quick", tmp_path / "mesh3"],
+        ["verify", src, tmp_path / "mesh3"],  # every bit, on numpy
         ["convert", tmp_path / "all.safetensors", tmp_path / "all.pt"],
         ["inspect", tmp_path / "all.pt"],
         ["convert", tmp_path / "all.pt", tmp_path / "back.safetensors"],
