@@ -78,9 +78,9 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
 
 def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
     """Reading metadata and moving bytes need no torch (its import is most of a command's
-    start-up): inspect, verify (bit for bit) and conversions without a cast run on numpy, in any
-    direction between DCP, safetensors, torch files and zarr (compressed too), onto any mesh. What they
-    write is then read back by the outside readers, in this process."""
+    start-up): inspect, verify (bit for bit) and conversions without a cast run on numpy, in
+    any direction between DCP, safetensors, torch files and zarr (compressed too), onto any
+    mesh. What they write is then read back by the outside readers, in this process."""
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
