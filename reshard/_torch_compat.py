@@ -13,7 +13,7 @@ import torch._utils
 import torch.serialization
 
 __all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "dtensor_local_indices", "STRIDED_SHARD",
-           "init_optimizer_state", "TORCH_DTYPES"]
+           "init_optimizer_state"]
 
 # The function torch.save names for every tensor of a "new" dtype; torch.load accepts it for
 # all dtypes, so our writer uses it uniformly.
@@ -85,9 +85,3 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
     _init_optim_state(optimizer)
 
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name)
-    for name in dir(torch)
-    if isinstance(getattr(torch, name, None), torch.dtype)
-}

@@ -138,8 +138,10 @@ _ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp64": "f
 
 def parse_dtype(name: str | DType | torch.dtype | None) -> DType | None:
     """A dtype as a user gives it: ``bf16``, ``bfloat16``, ``torch.float16``, or a dtype."""
-    if name is None or isinstance(name, DType) or _is_torch_dtype(name):
-        return None if name is None else of(name)  # type: ignore[arg-type]
+    if name is None:
+        return None
+    if isinstance(name, DType) or _is_torch_dtype(name):
+        return of(name)  # type: ignore[arg-type]
     key = str(name).strip().lower().removeprefix("torch.")
     dtype = DTYPES.get(_ALIASES.get(key, key))
     if dtype is None:

@@ -17,6 +17,9 @@ from typing import ParamSpec, TypeVar
 
 __all__ = ["paused_gc", "without_gc", "freeze_on_resume"]
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
 # The console script's choice (``freeze_on_resume``): a library must not freeze its host's heap.
 _freeze = False
 
@@ -29,9 +32,6 @@ def freeze_on_resume() -> None:
     garbage alive at that moment is never collected."""
     global _freeze
     _freeze = True
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
 
 
 @contextmanager

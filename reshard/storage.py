@@ -274,7 +274,6 @@ class _SmallReads:
                 self._blocks.popitem(last=False)
         return data
 
-
     def forget(self, root: RemotePath) -> None:
         """Drop what is known of ``root`` and everything under it (it is about to change, or a
         new command starts reading it)."""

@@ -416,19 +416,19 @@ class _StorageRecords:
 
     def tables(self, entries: list[tuple[str, list[Any], int, str]]) -> dict[str, ChunkTable]:
         """``table`` for every ``(name, chunks, ndim, where)`` at once: the checks of its fast
-        path done in array operations over all tensors of one rank (a 100k-tensor checkpoint
+        path done in array operations over all tensors of one ndim (a 100k-tensor checkpoint
         spent more time in ``table``'s per-tensor numpy calls than in unpickling), the tables
         views of shared columns. A tensor any check fails goes through ``table`` alone, which
         takes the general path or words the problem."""
         out: dict[str, ChunkTable] = {}
-        by_rank: dict[int, list[tuple[str, list[Any], int, str]]] = {}
+        by_ndim: dict[int, list[tuple[str, list[Any], int, str]]] = {}
         for entry in entries:
-            by_rank.setdefault(entry[2], []).append(entry)
-        for ndim, group in by_rank.items():
-            out.update(self._tables_of_rank(group, ndim))
+            by_ndim.setdefault(entry[2], []).append(entry)
+        for ndim, group in by_ndim.items():
+            out.update(self._tables_of_ndim(group, ndim))
         return {name: out[name] for name, _, _, _ in entries}
 
-    def _tables_of_rank(self, group: list[tuple[str, list[Any], int, str]], ndim: int) -> dict[str, ChunkTable]:
+    def _tables_of_ndim(self, group: list[tuple[str, list[Any], int, str]], ndim: int) -> dict[str, ChunkTable]:
         m = len(group)
         counts = np.fromiter((len(g[1]) for g in group), dtype=np.int64, count=m)
         flat = [c for g in group for c in g[1]]

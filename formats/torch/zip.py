@@ -71,43 +71,40 @@ def _wrapper_subclass(cls: Any, dtype: Any, size: Any, *_rest: Any) -> Record:
     return Record("wrapper", (dtype, tuple(size)))
 
 
-class _TorchGlobals(dict):
+class _TorchObjects(dict):
     """The entries of the allow-list that are torch's own objects (``torch.Size``, a device, a
     layout), made when a pickle first names one: tensor pickles name none, and reading them
-    should not cost ``import torch``. Dtypes are ``DType`` (``materialize`` gives torch's)."""
+    should not cost ``import torch``. Dtypes are ``DType`` (``materialize`` gives torch's).
+    The last table asked, so only such names and refused ones get here."""
 
     def __missing__(self, key: tuple[str, str]) -> Any:
-        module, name = key
-        if module not in ("torch", "torch.serialization"):  # not torch's: the next table's, or refused
-            raise KeyError(key)
-        import torch
-
         if key in (("torch", "Size"), ("torch", "device")):
-            value = getattr(torch, name)
+            import torch
+
+            value = getattr(torch, key[1])
         elif key == ("torch.serialization", "_get_layout"):
-            value = _torch_compat().get_layout
+            from reshard import _torch_compat
+
+            value = _torch_compat.get_layout
         else:
             raise KeyError(key)
         self[key] = value
         return value
 
 
-def _torch_compat() -> Any:
-    from reshard import _torch_compat
-
-    return _torch_compat
+_TORCH_OBJECTS = _TorchObjects()
 
 
 @functools.cache
 def _static_globals() -> dict[tuple[str, str], Any]:
     """The part of the allow-list that does not depend on the file being read (built once:
     a DCP checkpoint has a blob per chunk, thousands of them)."""
-    table: dict[tuple[str, str], Any] = _TorchGlobals({
+    table: dict[tuple[str, str], Any] = {
         ("torch._utils", "_rebuild_parameter"): _parameter,
         ("torch._utils", "_rebuild_parameter_with_state"): _parameter,
         ("torch._utils", "_rebuild_wrapper_subclass"): _wrapper_subclass,
         ("torch.storage", "UntypedStorage"): None,
-    })
+    }
     table.update({("torch", n): dt for n, dt in dtypes.DTYPES.items()})  # a v3 tensor's dtype, or a value
     # Storage classes name the dtype of a storage (cuda ones in files saved from a GPU).
     table.update({(m, n): dtypes.by_name(dt) for n, dt in STORAGE_DTYPES.items() for m in ("torch", "torch.cuda")})
@@ -176,7 +173,7 @@ class TorchPickle:
             ("torch._utils", "_rebuild_tensor_v2"): v2,
             ("torch._utils", "_rebuild_tensor_v3"): v3,
             ("torch._tensor", "_rebuild_from_type_v2"): from_type,
-        }, _static_globals(), VALUE_GLOBALS)
+        }, _static_globals(), VALUE_GLOBALS, _TORCH_OBJECTS)
 
     def load(self) -> Any:
         """The object, refusing at once any global that is neither listed nor allowed by the user."""
