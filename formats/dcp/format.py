@@ -29,7 +29,6 @@ from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
 from reshard.formats.dcp.index import load_dcp_index
 from reshard.formats.dcp.metadata import ChunkTable, DCPIndex, StorageRecord
-from reshard.formats.dcp.metadata_write import ChunkRecord, TensorRecord, metadata_bytes
 from reshard.formats.dcp.ranks import CheckedCopies, rank_metadata_files, same_bytes
 from reshard.formats.dcp.records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record
 from reshard.formats.dcp.zstd import ZstdChunk, load_zstd_object
@@ -298,6 +297,9 @@ class DCPWriter:
         return [*segments[:at], piece, *segments[at + 1:]]
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
+        # Deferred: only writing needs it, and its dataclasses cost every reading command 7 ms.
+        from reshard.formats.dcp.metadata_write import ChunkRecord, TensorRecord, metadata_bytes
+
         def tensor_record(name: str) -> TensorRecord:
             t = target.tensors[name]
             i = self._first[name]
