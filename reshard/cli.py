@@ -233,6 +233,7 @@ def convert(
     config: Annotated[Optional[str], typer.Option("--config", help="The model's config: a config.json, an HF folder or a Hub repo id (head counts for key maps; config.json of --to hf).")] = None,
     hf_assets: Annotated[Optional[str], typer.Option("--hf-assets", help="With --to {takes:hf_assets}: copy the tokenizer, chat template and generation config of this folder or Hub repo id.")] = None,
     weights_only: Annotated[bool, typer.Option("--weights-only", help="With --to {takes:weights_only}: write the safetensors only, without config.json (not loadable by from_pretrained as is).")] = False,
+    no_architecture_check: Annotated[bool, typer.Option("--no-architecture-check", help="With --to {takes:architecture_check}: write the export even if it is not the model its config.json describes (the model card says it was not checked).")] = False,
     max_memory: MaxMemory = "1GiB",
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest file of an output ({takes:max_shard_size}; HF-style shards: default 5GB for hf).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and check everything, print what would be written, write nothing.")] = False,
@@ -257,7 +258,8 @@ def convert(
 
     options = ConvertOptions(
         to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only, exclude=exclude, keymap=keymap,
-        layout=layout, config=config, hf_assets=hf_assets, weights_only=weights_only, max_memory=max_memory,
+        layout=layout, config=config, hf_assets=hf_assets, weights_only=weights_only,
+        architecture_check=not no_architecture_check, max_memory=max_memory,
         max_shard_size=max_shard_size, compress=compress, keep_per_rank=keep_per_rank, overwrite=overwrite,
         quiet=quiet or as_json, fsync=fsync, dry_run=dry_run)
     with torchrun_group() as rank:  # under torchrun the ranks split the work; rank 0 reports
@@ -328,7 +330,10 @@ def verify(
             typer.echo(f"note: {note}")
         verdict = result.verdict()
         if quick:
-            verdict = "intact" if result.ok else f"{len(result.differences)} file(s) differ from the manifest"
+            files = sum(d.kind != "architecture" for d in result.differences)
+            verdict = "intact" if result.ok else "; ".join(
+                ([f"{files} file(s) differ from the manifest"] if files else [])
+                + (["not the model its config.json describes"] if files < len(result.differences) else []))
         typer.echo(f"{verdict} ({result.compared} {'files checked' if quick else 'tensors compared'})")
     if not result.ok:
         raise typer.Exit(1)
@@ -349,17 +354,19 @@ def push(
     include: Annotated[Optional[list[str]], typer.Option("--include", help="Upload only files matching this glob (repeatable).")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Do not upload files matching this glob (repeatable).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the folder and list what would be sent; no network.")] = False,
+    no_architecture_check: Annotated[bool, typer.Option("--no-architecture-check", help="Push even if the weights are not the model config.json describes.")] = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Check an HF model folder (index, headers, tied weights, config.json) and upload it to the Hub."""
+    """Check an HF model folder (index, headers, tied weights, config.json, the architecture) and upload it to the Hub."""
     _debug["on"] |= debug
     from reshard.hub import push as push_folder
     from reshard.sizes import format_size
 
     result = push_folder(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
-                         dry_run=dry_run, token=token, create_pr=create_pr, include=include, exclude=exclude)
+                         dry_run=dry_run, token=token, create_pr=create_pr, include=include, exclude=exclude,
+                         architecture_check=not no_architecture_check)
     if as_json:
         _emit_json("push", result.to_json())
         return

@@ -298,7 +298,8 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     if placements is not None and mesh is None:
         raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")
     # Before an HF export reads anything: the options only it takes.
-    _refuse_options_not_taken(to, opts, [n for n in opts.format_options_set() if n in ("hf_assets", "weights_only")])
+    _refuse_options_not_taken(to, opts, [n for n in opts.format_options_set()
+                                         if n in ("hf_assets", "weights_only", "architecture_check")])
     if layout is not None:
         detect_layout(catalog, layout)  # an unknown name is a usage error now, not after the keymap
         catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout, "layout_given": True})
@@ -311,7 +312,7 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     if config is not None:  # what model these tensors are: key maps and the HF export read it
         from reshard.formats.hf.files import load_config
 
-        catalog = replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config)})
+        catalog = replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config), "hf_config_given": True})
     catalog = excluded(catalog, opts.exclude)
     if dtype is not None:  # FP8 / MXFP4 weights: dequantized with their scales, never cast without them
         from reshard.quant import dequantized

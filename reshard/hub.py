@@ -137,10 +137,12 @@ def _check_ties(folder: Path, config: dict[str, Any], tensors: dict[str, Any]) -
                                      "transformers would initialize it at random (set tie_word_embeddings to true?)")
 
 
-def check_folder(folder: Path) -> list[tuple[str, int]]:
+def check_folder(folder: Path, *, architecture_check: bool = True, notices: list[str] | None = None) -> list[tuple[str, int]]:
     """(path, bytes) of every file a push sends, once the folder passes the checks transformers
     relies on: config.json present; the index names only files that exist and covers every
-    tensor of every shard (no stray shard); every header parses; tied weights consistent."""
+    tensor of every shard (no stray shard); every header parses; tied weights consistent; the
+    tensors are the model config.json describes (``reshard.architecture``, unless
+    ``architecture_check`` is off). What the check could not do is added to ``notices``."""
     from reshard.formats.safetensors.format import INDEX_NAME, SafetensorsFormat
 
     folder = Path(folder)
@@ -170,6 +172,17 @@ def check_folder(folder: Path) -> list[tuple[str, int]]:
         raise CorruptCheckpointError(f"{folder}: {len(shards)} safetensors files but no {INDEX_NAME} "
                                      "(transformers loads model.safetensors or an indexed set)")
     _check_ties(folder, config, catalog.tensors)
+    if architecture_check:
+        from reshard.architecture import require_architecture
+
+        said = require_architecture(config, catalog.tensors, where=str(folder), action="push it",
+                                    fix="re-export it with reshard convert SRC --to hf (with --keymap or --config as needed)")
+    else:
+        from reshard.options import named
+
+        said = f"not checked against an architecture ({named('architecture_check')})"
+    if notices is not None:
+        notices.append(said)
     return _files(folder)
 
 
@@ -233,11 +246,13 @@ def _stale(existing: set[str], sending: set[str]) -> list[str]:
 
 def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, revision: str | None = None,
          commit_message: str | None = None, dry_run: bool = False, token: str | None = None,
-         create_pr: bool = False, include: list[str] | None = None, exclude: list[str] | None = None) -> PushResult:
+         create_pr: bool = False, include: list[str] | None = None, exclude: list[str] | None = None,
+         architecture_check: bool = True) -> PushResult:
     """Upload HF model folder ``folder`` to Hub model repo ``repo_id`` (created if needed).
 
-    The folder is checked first (``check_folder``: config, index, headers, ties) and no file may
-    pass the Hub's 50 GB per-file limit; ``dry_run=True`` returns the files and sizes that would
+    The folder is checked first (``check_folder``: config, index, headers, ties, and the
+    architecture config.json names, built by transformers on the meta device, unless
+    ``architecture_check=False``) and no file may pass the Hub's 50 GB per-file limit; ``dry_run=True`` returns the files and sizes that would
     be sent without touching the network. ``include``/``exclude`` are globs on the folder's
     paths. A repo that already holds other files (a tokenizer uploaded first) is fine; weight
     files the push would leave stale are named in ``notices``. ``create_pr`` opens a pull
@@ -248,14 +263,16 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, revi
     """
     folder = Path(folder)
     _check_arguments(folder, repo_id)
-    files = _selected(check_folder(folder), include, exclude)
+    notices: list[str] = []
+    files = _selected(check_folder(folder, architecture_check=architecture_check, notices=notices), include, exclude)
     too_big = [(n, size) for n, size in files if size >= HUB_FILE_LIMIT]
     if too_big:
         name, size = too_big[0]
         raise UsageError(f"{folder / name}: {size / 1e9:.1f} GB passes the Hub's 50 GB limit per file; re-export with "
                          "--max-shard-size 5GB before pushing")
-    result = PushResult(repo_id, files, dry_run)
+    result = PushResult(repo_id, files, dry_run, notices=notices)
     if dry_run:
+        log_notices(result.notices)
         return result
     if _offline():
         raise UsageError("HF_HUB_OFFLINE is set, so nothing can be uploaded; unset it to push, or use --dry-run")

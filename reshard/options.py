@@ -24,6 +24,7 @@ FORMAT_OPTIONS = {
     "compress": ("--compress", "compress=True"),
     "hf_assets": ("--hf-assets", "hf_assets="),
     "weights_only": ("--weights-only", "weights_only=True"),
+    "architecture_check": ("--no-architecture-check", "architecture_check=False"),
 }
 
 
@@ -40,6 +41,7 @@ class ConvertOptions:
     config: str | os.PathLike | None = None  # the model's config.json / HF folder / repo id
     hf_assets: str | os.PathLike | None = None  # tokenizer and friends for to="hf"
     weights_only: bool = False  # to="hf" without config.json
+    architecture_check: bool = True  # to="hf": refuse an export that is not the model its config.json describes
     max_memory: str | int = "1GiB"  # the budget for tensor data in flight
     max_shard_size: str | int | None = None  # largest output file (safetensors, hf, zarr)
     compress: bool = False  # zstd zarr chunks
@@ -70,7 +72,8 @@ class ConvertOptions:
 
     def format_options_set(self) -> list[str]:
         """The format-specific options this conversion asks for."""
-        return [name for name in FORMAT_OPTIONS if getattr(self, name) not in (None, False)]
+        defaults = {f.name: f.default for f in fields(self)}
+        return [name for name in FORMAT_OPTIONS if getattr(self, name) != defaults[name]]
 
 
 def named(name: str) -> str:

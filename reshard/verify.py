@@ -43,7 +43,7 @@ __all__ = ["verify", "verify_manifest", "VerifyResult", "Difference"]
 class Difference:
     """One way the two sides differ. ``kind`` is one of ``only_in_a``, ``only_in_b``,
     ``structure`` (nesting or container type), ``dtype``, ``shape``, ``values``, ``object``;
-    for ``verify --quick``: ``size``, ``checksum``, ``missing``."""
+    for ``verify --quick``: ``size``, ``checksum``, ``missing``, ``architecture``."""
 
     name: str
     kind: str
@@ -351,4 +351,32 @@ def verify_manifest(folder: str | os.PathLike) -> VerifyResult:
     if added:
         result.notes.append(f"{len(added)} file(s) not in manifest (added after the conversion, not checked): "
                             + ", ".join(added[:5]) + (" ..." if len(added) > 5 else ""))
+    if not result.differences:
+        _check_hf_architecture(folder, result)
     return result
+
+
+def _check_hf_architecture(folder: Path, result: VerifyResult) -> None:
+    """An intact HF folder is also the model its config.json describes: its tensors loaded on
+    the meta device into the architecture transformers builds (``reshard.architecture``)."""
+    import json
+
+    config_path = folder / "config.json"
+    if not config_path.is_file() or not any(folder.glob("*.safetensors")):
+        return
+    from reshard.architecture import check_architecture
+
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as e:
+        result.differences.append(Difference("config.json", "architecture", f"not valid JSON ({e})"))
+        return
+    if not isinstance(config, dict):
+        result.differences.append(Difference("config.json", "architecture", "not a JSON object"))
+        return
+    check = check_architecture(config, read_catalog(folder).tensors)
+    if check.checked and not check.ok:
+        result.differences.append(Difference("config.json", "architecture",
+                                             f"not the {check.architecture} it describes: {check.problems()}"))
+    else:
+        result.notes.append(check.notice())

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["save_tiny_llama", "hf_logits", "TOKENS"]
+__all__ = ["save_tiny_llama", "hf_logits", "TOKENS", "assert_checked", "assert_refused_without_keymap"]
 
 # Every test compares logits on the same batch: 2 sequences of 10 tokens of a 64-token vocab.
 TOKENS = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(7))
@@ -35,3 +35,23 @@ def hf_logits(folder: Path, tokens: torch.Tensor = TOKENS) -> torch.Tensor:
     model = LlamaForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         return model(tokens).logits
+
+
+def assert_checked(said: str, architecture: str) -> None:
+    """The export was checked against ``architecture`` (not merely "not checked")."""
+    assert f"checked against {architecture} built by transformers on the meta device" in said, said
+
+
+def assert_refused_without_keymap(src: Path, config: Path, tmp: Path) -> None:
+    """The same model section under its own names, beside the same config.json (what an export
+    without its key map would be): ``reshard push`` refuses it, naming what is missing."""
+    import shutil
+
+    from tests.test_cli import assert_one_line_error, reshard
+
+    raw = tmp / "without_keymap"
+    raw.mkdir()
+    assert reshard("convert", src, raw / "model.safetensors", "--only", "model", "--quiet").returncode == 0
+    shutil.copy(config, raw / "config.json")
+    assert_one_line_error(reshard("push", raw, "someone/model", "--dry-run"), "its config.json describes", "tensors missing",
+                          "tensors it does not have")

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.hf_models import assert_checked, assert_refused_without_keymap
 from tests.test_cli import reshard
 
 transformers = pytest.importorskip("transformers")
@@ -36,6 +37,8 @@ def test_torchtitan_checkpoint_exports_to_transformers(name: str, tmp_path: Path
     proc = reshard("convert", ckpt, out, "--to", "hf", "--config", config)
     assert proc.returncode == 0, proc.stderr
     assert "titan-to-hf" in proc.stderr
+    assert_checked(proc.stderr, "Qwen3MoeForCausalLM" if name == "qwen3_moe" else "LlamaForCausalLM")
+    assert_refused_without_keymap(ckpt, config, tmp_path)
 
     exported = _hf_tensors(out)
     assert exported.keys() == reference["hf_state_dict"].keys()  # freqs_cis and optimizer state left out

@@ -22,7 +22,7 @@ from reshard.catalog import Target
 from reshard.dtypes import DType
 from reshard.errors import UnsupportedFormatError
 
-__all__ = ["llama_config", "generation_config", "with_dtype", "model_card", "write_json", "written_dtype",
+__all__ = ["llama_config", "generation_config", "with_dtype", "model_card", "write_json", "compute_dtype", "export_config",
            "ASSET_FILES", "load_config", "find_assets"]
 
 # What an HF model folder holds beside its weights and config.json that users need to run
@@ -125,11 +125,16 @@ def generation_config(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def written_dtype(target: Target) -> DType | None:
-    """The floating dtype most of the written bytes have (what config.json should declare)."""
+def compute_dtype(target: Target) -> DType | None:
+    """The dtype config.json declares: the compute float (float16, bfloat16, float32, float64)
+    most of the written bytes have. Never float8 or packed bytes: an FP8 release whose weights
+    are mostly float8 computes in the dtype of the rest, and from_pretrained makes the model
+    in what config.json says."""
+    from reshard.architecture import COMPUTE_DTYPES
+
     counts: Counter[DType] = Counter()
     for t in target.tensors.values():
-        if t.dtype.is_floating_point:
+        if t.dtype in COMPUTE_DTYPES:
             counts[t.dtype] += t.nbytes
     return counts.most_common(1)[0][0] if counts else None
 
@@ -141,6 +146,12 @@ def with_dtype(config: dict[str, Any], dtype: DType | None) -> dict[str, Any]:
     if dtype is not None:
         out["dtype"] = str(dtype).removeprefix("torch.")
     return out
+
+
+def export_config(target: Target) -> dict[str, Any] | None:
+    """config.json as the HF export writes it (and the architecture check reads it)."""
+    config = target.attrs.get("hf_config")
+    return with_dtype(config, compute_dtype(target)) if config is not None else None
 
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -157,10 +168,12 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def model_card(name: str, target: Target, config: dict[str, Any] | None, source: str, files: int) -> str:
-    """README.md: what the weights were converted from, their dtype and parameter count."""
+def model_card(name: str, target: Target, config: dict[str, Any] | None, source: str, files: int, *,
+               checked: str | None = None) -> str:
+    """README.md: what the weights were converted from, their dtype and parameter count, and
+    whether they were checked against the architecture config.json names."""
     params = sum(t.nbytes // t.dtype.itemsize for t in target.tensors.values())
-    dtype = written_dtype(target)
+    dtype = compute_dtype(target)
     arch = ", ".join((config or {}).get("architectures") or []) or (config or {}).get("model_type") or "not recorded"
     return "\n".join([
         "---",
@@ -179,6 +192,7 @@ def model_card(name: str, target: Target, config: dict[str, Any] | None, source:
         f"| parameters | {params:,} ({_count(params)}) |",
         f"| dtype | {str(dtype).removeprefix('torch.') if dtype else 'n/a'} |",
         f"| weights | {files} safetensors file{'s' if files != 1 else ''} |",
+        f"| architecture check | {checked or 'not checked against an architecture'} |",
         "",
         "```python",
         "from transformers import AutoModelForCausalLM",

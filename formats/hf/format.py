@@ -29,9 +29,10 @@ from typing import Any
 from reshard.catalog import Catalog, TensorEntry, Target
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
 from reshard.storage import RemotePath
+from reshard.architecture import require_architecture
 from reshard.errors import UsageError
-from reshard.formats.hf.files import (ASSET_FILES, find_assets, generation_config, llama_config, model_card, with_dtype,
-                                      write_json, written_dtype)
+from reshard.formats.hf.files import (ASSET_FILES, export_config, find_assets, generation_config, llama_config, model_card,
+                                      write_json)
 from reshard.pieces import OutputFile
 from reshard.formats.safetensors.format import SafetensorsFormat, SafetensorsWriter
 from reshard.keymap.lookup import load_keymap
@@ -39,7 +40,7 @@ from reshard.keymap.maps import titan_family
 from reshard.provenance import hf_configs, training_config
 from reshard.values import same_values
 from reshard.sizes import parse_size
-from reshard.options import ConvertOptions
+from reshard.options import ConvertOptions, named
 
 __all__ = ["HFFormat", "HFWriter", "export_catalog"]
 
@@ -108,6 +109,8 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
     """
     train = training_config(catalog)
     config, gen = hf_configs(catalog)
+    # An HF source's own side files travel as they were: no generation_config.json it never had.
+    carried = config is not None and not catalog.attrs.get("hf_config_given")
     titan = load_keymap("titan-to-hf")
     notices: list[str] = []
     layout = detect_layout(catalog)
@@ -141,7 +144,7 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
                              f"from {_EMBED}; set tie_word_embeddings to false in the config or fix the checkpoint")
         del tensors[_HEAD]  # transformers re-ties it on load, as save_pretrained leaves it out
     files = find_assets(assets) if assets is not None else _source_assets(catalog)
-    if config is not None and gen is None and "generation_config.json" not in files:
+    if config is not None and gen is None and not carried and "generation_config.json" not in files:
         gen = generation_config(config)
     if weights_only:
         config, gen, files = None, None, {}
@@ -164,27 +167,41 @@ class HFFormat:
         return SafetensorsFormat().read(path)
 
     def writer(self, dst: Path, options: ConvertOptions | None = None) -> HFWriter:
-        return HFWriter(dst, max_shard_size=(options or ConvertOptions()).shard_bytes)
+        options = options or ConvertOptions()
+        return HFWriter(dst, max_shard_size=options.shard_bytes, architecture_check=options.architecture_check)
 
 
 class HFWriter(SafetensorsWriter):
-    """Safetensors shards as ``save_pretrained`` names them, plus the folder's side files."""
+    """Safetensors shards as ``save_pretrained`` names them, plus the folder's side files.
 
-    def __init__(self, dst: Path, *, max_shard_size: int | None = None) -> None:
+    Before any file is laid out, the tensors are checked against the model config.json
+    describes (``reshard.architecture``): an export that would load as another, partial or
+    random model is refused, unless ``architecture_check`` is off, which the model card says."""
+
+    def __init__(self, dst: Path, *, max_shard_size: int | None = None, architecture_check: bool = True) -> None:
         super().__init__(dst, max_shard_size=max_shard_size or parse_size(_HUB_SHARD_SIZE))
         self.dst = Path(dst)
+        self.architecture_check = architecture_check
+        self.checked: str | None = None  # the check's notice, once layout has run it
 
     def layout(self, target: Target) -> list[OutputFile]:
         if "hf_source" not in target.attrs:
             raise UsageError("--to hf output must be prepared by reshard.formats.hf.format.export_catalog (use reshard.convert)")
+        config = export_config(target)
+        if config is None:  # --weights-only: no config.json, no model to check against
+            self.checked = None
+        elif self.architecture_check:
+            self.checked = require_architecture(config, target.tensors, where=str(self.dst), action="write it")
+        else:
+            self.checked = f"not checked against an architecture ({named('architecture_check')})"
         return super().layout(target)
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         if len(files) > 1:  # like save_pretrained: an index only when there are several shards
             super().finish(staging, target, files)
-        config, gen = target.attrs.get("hf_config"), target.attrs.get("hf_generation_config")
+        config, gen = export_config(target), target.attrs.get("hf_generation_config")
         if config is not None:
-            write_json(staging / "config.json", with_dtype(config, written_dtype(target)))
+            write_json(staging / "config.json", config)
         for name, source in (target.attrs.get("hf_assets") or {}).items():  # tokenizer, chat template...: as they are
             if isinstance(source, RemotePath):
                 (staging / name).write_bytes(source.read_bytes())  # small files of an HF folder on a store
@@ -193,7 +210,8 @@ class HFWriter(SafetensorsWriter):
         if gen is not None and not (staging / "generation_config.json").exists():
             write_json(staging / "generation_config.json", gen)
         if config is not None:
-            (staging / "README.md").write_text(model_card(self.dst.name, target, config, target.attrs["hf_source"], len(files)))
+            (staging / "README.md").write_text(model_card(self.dst.name, target, config, target.attrs["hf_source"], len(files),
+                                                          checked=self.checked))
 
     def notices(self, target: Target) -> list[str]:
-        return list(target.attrs.get("hf_notices", []))
+        return list(target.attrs.get("hf_notices", [])) + ([self.checked] if self.checked else [])

@@ -20,6 +20,7 @@ from reshard.keymap.lookup import load_keymap
 from reshard.keymap.chunks import read_box
 from tests.dist import run_world
 from tests.schema import check
+from tests.hf_models import assert_checked, assert_refused_without_keymap
 from tests.test_cli import assert_one_line_error, reshard as cli
 
 ROOT = Path(__file__).resolve().parents[1] / "data" / "megatron" / "gpt_tp2"
@@ -68,6 +69,9 @@ def test_hf_export_matches_megatrons_forward(how: str, tmp_path: Path) -> None:
     extra = ["--keymap", "megatron-to-hf"] if how == "preset" else []
     proc = cli("convert", ROOT, out, "--to", "hf", "--config", CONFIG, *extra)
     assert proc.returncode == 0, proc.stderr
+    assert_checked(proc.stderr, "LlamaForCausalLM")
+    if how == "auto":
+        assert_refused_without_keymap(ROOT, CONFIG, tmp_path)
     names = set(load_file(out / "model.safetensors"))
     assert "model.layers.1.self_attn.k_proj.weight" in names and not any("decoder" in n for n in names)
     ref = torch.load(ROOT / "reference.pt", weights_only=True)
