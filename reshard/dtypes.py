@@ -21,7 +21,7 @@ from reshard.errors import UsageError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DType", "by_name", "of", "parse_dtype", "dtype_name", "DTYPES"]
+__all__ = ["DType", "by_name", "of", "is_dtype", "parse_dtype", "dtype_name", "DTYPES"]
 
 
 @final
@@ -111,6 +111,11 @@ for _name, _size, _kind, _aliases in _TABLE:
 def _is_torch_dtype(x: object) -> bool:
     torch = sys.modules.get("torch")  # not imported: nothing can be a torch dtype
     return torch is not None and isinstance(x, torch.dtype)
+
+
+def is_dtype(x: object) -> bool:
+    """Whether ``x`` is a dtype: reshard's ``DType`` or a ``torch.dtype``."""
+    return isinstance(x, DType) or _is_torch_dtype(x)
 
 
 def by_name(name: str) -> DType:

@@ -5,6 +5,8 @@ to the original full tensors bit for bit, model and optimizer state."""
 from __future__ import annotations
 
 import json
+import struct
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -207,3 +209,45 @@ def test_options_as_one_value_or_keywords(fsdp2_dcp, tmp_path: Path) -> None:
     assert {v.dtype for v in load_file(result.dst).values()} == {torch.float32}
     with pytest.raises(UsageError, match="unknown conversion option 'dtpye'; the options are .*dtype"):
         reshard.convert(fsdp2_dcp[0], tmp_path / "x.pt", dtpye="bfloat16")
+
+
+def _float_from_bits(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+def _bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+def test_float_objects_keep_their_bits_through_safetensors_and_zarr(tmp_path: Path) -> None:
+    """Floats saved beside tensors (NaN payloads and signs, signed zeros, infinities) come back
+    bit for bit from a safetensors or zarr hop, as torch.load reads the final file; an object
+    JSON cannot hold exactly is named in a notice, never written as something close."""
+    import zarr
+
+    floats = {"nan_payload": _float_from_bits(0xFFF8000000000123), "signaling": _float_from_bits(0x7FF0000000000001),
+              "neg_nan": _float_from_bits(0xFFF8000000000000), "nan": float("nan"), "neg_zero": -0.0,
+              "inf": float("inf"), "neg_inf": float("-inf"), "tiny": 5e-324}
+    src = {"w": torch.arange(4.0), **floats, "betas": (0.9, floats["nan_payload"]), "by_id": {0: -0.0},
+           "ordered": OrderedDict(lr=0.1)}
+    torch.save(src, tmp_path / "src.pt")
+    st = reshard.convert(tmp_path / "src.pt", tmp_path / "x.safetensors", quiet=True)
+    with safe_open(tmp_path / "x.safetensors", "pt") as f:  # safetensors' own reader takes the metadata
+        stored = json.loads(f.metadata()["reshard.objects"])
+    assert stored["nan_payload"] == {"__float__": "0xfff8000000000123"} and stored["inf"] == {"__float__": "inf"}
+    assert st.notices == ["object 'ordered' holds a value of type OrderedDict, which safetensors metadata cannot "
+                          "store; it is left out (write dcp or torch to keep it)"]
+    reshard.convert(tmp_path / "src.pt", tmp_path / "x.zarr", quiet=True)
+    attrs = zarr.open_group(tmp_path / "x.zarr", mode="r").attrs.asdict()  # zarr-python reads the attributes
+    assert attrs["reshard.objects"]["signaling"] == {"__float__": "0x7ff0000000000001"}
+    assert _bits(attrs["reshard.objects"]["neg_zero"]) == _bits(-0.0)
+    for hop, kept in (("x.safetensors", set(src) - {"ordered"}), ("x.zarr", set(src))):
+        reshard.convert(tmp_path / hop, tmp_path / f"{hop}.pt", quiet=True)
+        back = torch.load(tmp_path / f"{hop}.pt", weights_only=True)
+        assert set(back) == kept, hop
+        for name, value in floats.items():
+            assert type(back[name]) is float and _bits(back[name]) == _bits(value), (hop, name)
+        assert type(back["betas"]) is tuple and [_bits(x) for x in back["betas"]] == [_bits(0.9), _bits(floats["nan_payload"])]
+        assert list(back["by_id"]) == [0] and _bits(back["by_id"][0]) == _bits(-0.0), hop
+        if "ordered" in kept:  # zarr keeps it in its torch.save side file
+            assert type(back["ordered"]) is OrderedDict and back["ordered"] == OrderedDict(lr=0.1)

@@ -29,16 +29,8 @@ from reshard.catalog import Catalog, NestedPath, Target
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from reshard.formats.dcp.safetensors import DCP_KEYS, assemble, shard_boxes
 from reshard.pieces import OutputFile, Piece
-from reshard.formats.safetensors.header import (
-    MAX_HEADER_SIZE,
-    Unencodable,
-    decode_value,
-    encode_value,
-    file_order,
-    header_bytes,
-    read_header,
-    unstorable,
-)
+from reshard.formats.safetensors.header import MAX_HEADER_SIZE, file_order, header_bytes, read_header, unstorable
+from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
 from reshard.options import ConvertOptions

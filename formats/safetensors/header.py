@@ -31,7 +31,7 @@ from reshard.storage import close, handle_size, open_read
 
 __all__ = [
     "MAX_HEADER_SIZE", "HeaderTensor", "Header", "read_header", "header_bytes", "unstorable",
-    "file_order", "Unencodable", "encode_value", "decode_value",
+    "file_order",
 ]
 
 # safetensors refuses larger headers (MAX_HEADER_SIZE in its Rust core): a hostile length must
@@ -271,63 +271,3 @@ def header_bytes(tensors: list[tuple[str, DType, tuple[int, ...]]], metadata: di
     text = json.dumps(head, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
-
-
-# ------------------------------------------------------------------------- metadata values
-# ``__metadata__`` holds strings only, so objects travel as JSON. Plain JSON would turn tuples
-# into lists, int keys into strings and inf/nan into invalid tokens; a few single-key tagged
-# objects keep every such value exact. A real dict with one tag-named key is itself tagged.
-
-_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__")
-
-
-class Unencodable(TypeError):
-    """A value (or a value inside it) that metadata JSON cannot hold exactly."""
-
-
-def encode_value(v: Any) -> Any:
-    """``v`` as JSON-ready data that ``decode_value`` turns back into an equal value of the
-    same types; raises Unencodable for tensors, arbitrary classes and the like."""
-    if v is None or type(v) in (bool, int, str):
-        return v
-    if type(v) is float:
-        return v if math.isfinite(v) else {"__float__": repr(v)}
-    if type(v) is list:
-        return [encode_value(x) for x in v]
-    if type(v) is tuple:
-        return {"__tuple__": [encode_value(x) for x in v]}
-    if type(v) is bytes:
-        return {"__bytes__": v.hex()}
-    if isinstance(v, dict):
-        if all(type(k) is str for k in v) and not (len(v) == 1 and next(iter(v)) in _TAGS):
-            return {k: encode_value(x) for k, x in v.items()}
-        return {"__dict__": [[encode_value(k), encode_value(x)] for k, x in v.items()]}
-    raise Unencodable(type(v).__name__)
-
-
-def decode_value(v: Any) -> Any:
-    """Inverse of ``encode_value``; raises ValueError on data it could not have written."""
-    if isinstance(v, list):
-        return [decode_value(x) for x in v]
-    if not isinstance(v, dict):
-        return v
-    if len(v) != 1 or next(iter(v)) not in _TAGS:
-        return {k: decode_value(x) for k, x in v.items()}
-    tag, body = next(iter(v.items()))
-    if tag == "__float__" and body in ("inf", "-inf", "nan"):
-        return float(body)
-    if tag == "__bytes__" and isinstance(body, str):
-        return bytes.fromhex(body)
-    if tag == "__tuple__" and isinstance(body, list):
-        return tuple(decode_value(x) for x in body)
-    if tag == "__dict__" and isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body):
-        return {_hashable(decode_value(k)): decode_value(x) for k, x in body}
-    raise ValueError(f"malformed {tag} value {body!r}")
-
-
-def _hashable(key: Any) -> Any:
-    try:
-        hash(key)
-    except TypeError:
-        raise ValueError(f"dict key {key!r} is not hashable") from None
-    return key

@@ -34,7 +34,7 @@ from typing import Any
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from reshard.pieces import OutputFile
-from reshard.formats.safetensors.header import Unencodable, decode_value, encode_value
+from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 from reshard.formats.torch.zip import load_object_blob
 from reshard.formats.zarr.chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress
 from reshard.formats.zarr.grid import ArrayLayout, chunk_segments, plan_arrays
