@@ -4,7 +4,8 @@ Python's ``==`` says ``0.0 == -0.0``, ``1 == 1.0 == True`` and ``(1, 2) == [1, 2
 but ``{"a": 1} == OrderedDict(a=1)`` is True; for a checkpoint those are different values (a
 step counter that became a float, a sign bit lost on the way). Here two objects are equal
 when they have the same type, the same structure and, for floats, the same bits (so a NaN
-equals a NaN with the same payload, and ``-0.0`` differs from ``0.0``). ``difference`` says
+equals a NaN with the same payload, and ``-0.0`` differs from ``0.0``). A dtype is a dtype
+whether a reader gave reshard's ``DType`` or torch's ``torch.dtype``. ``difference`` says
 where and how they first differ, for messages; ``tensor_digest`` streams a stored tensor's
 bytes through SHA-256 so copies on many ranks are compared without holding any of them.
 """
@@ -42,6 +43,13 @@ def _float_bits(x: float) -> bytes:
     return struct.pack("<d", x)
 
 
+def _same_dtype(x: Any, y: Any) -> bool:
+    try:
+        return dtypes.of(x) is dtypes.of(y)
+    except KeyError:  # a torch dtype newer than reshard's table
+        return x is y
+
+
 def _tensor_difference(x: torch.Tensor, y: torch.Tensor) -> str | None:
     if x.dtype != y.dtype:
         return f"tensor dtype {x.dtype} vs {y.dtype}"
@@ -77,6 +85,8 @@ def difference(x: Any, y: Any, where: str = "") -> str | None:
     (``[key][0]``) and how they first differ, in words."""
     torch = sys.modules.get("torch")  # not imported: no value here is a tensor
     at = f" at {where}" if where else ""
+    if dtypes.is_dtype(x) and dtypes.is_dtype(y):  # a DType from one reader, a torch.dtype from another
+        return None if _same_dtype(x, y) else f"{x!r} vs {y!r}{at}"
     if type(x) is not type(y):
         return f"{type(x).__name__} {_short(x)} vs {type(y).__name__} {_short(y)}{at}"
     if torch is not None and isinstance(x, torch.Tensor):

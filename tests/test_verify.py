@@ -163,3 +163,35 @@ def test_a_tolerance_says_within_never_equal(tmp_path: Path, capsys) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert (doc["equal"], doc["within_tolerance"]) == (True, None)
     assert main(["verify", str(a), str(b)]) == 1
+
+
+def test_a_dtype_object_is_a_dtype_whichever_reader_gave_it(tmp_path: Path, capsys) -> None:
+    """torch.save files read as reshard's DType, DCP through torch as torch.dtype: the same
+    dtype is equal either way, and every output hands torch.bfloat16 back to torch."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    torch.save({"w": torch.ones(2, dtype=torch.bfloat16), "dtype": torch.bfloat16,
+                "cfg": {"dtypes": [torch.float32, torch.bfloat16]}}, tmp_path / "dt.pt")
+    outs = ["dt_dcp", "dt.zarr", "dt.safetensors", "dt2.pt"]
+    for out in outs:
+        reshard.convert(tmp_path / "dt.pt", tmp_path / out, quiet=True)
+        assert main(["verify", str(tmp_path / "dt.pt"), str(tmp_path / out)]) == 0, out
+        assert main(["verify", str(tmp_path / out), str(tmp_path / "dt.pt")]) == 0, out
+    assert main(["verify", str(tmp_path / "dt_dcp"), str(tmp_path / "dt.zarr")]) == 0
+    state = {"dtype": None, "cfg": {"dtypes": None}}
+    dcp.load(state, checkpoint_id=tmp_path / "dt_dcp", no_dist=True)  # torch's own reader
+    assert state == {"dtype": torch.bfloat16, "cfg": {"dtypes": [torch.float32, torch.bfloat16]}}
+    with safe_open(tmp_path / "dt.safetensors", "pt") as f:
+        assert '"dtype":{"__dtype__":"bfloat16"}' in f.metadata()["reshard.objects"]
+    for out in outs[1:]:
+        back = tmp_path / f"{out}.back.pt"
+        reshard.convert(tmp_path / out, back, quiet=True)
+        loaded = torch.load(back, weights_only=True)
+        assert loaded["dtype"] is torch.bfloat16 and loaded["cfg"]["dtypes"] == [torch.float32, torch.bfloat16], out
+    capsys.readouterr()
+    torch.save({"w": torch.ones(2, dtype=torch.bfloat16), "dtype": torch.float32,
+                "cfg": {"dtypes": [torch.float32, torch.bfloat16]}}, tmp_path / "dt32.pt")
+    for out in outs:
+        assert main(["verify", str(tmp_path / "dt32.pt"), str(tmp_path / out)]) == 1, out
+        assert "DIFF dtype: object: torch.float32 vs torch.bfloat16" in capsys.readouterr().out, out
