@@ -120,6 +120,31 @@ def fill_bytes(dtype: DType, value: Any, where: str) -> bytes:
         raise bad from None
 
 
+# The top-level fields the zarr v3 spec defines, per node type. Any other field is an
+# extension: the spec (and zarr-python) refuse a node whose unknown field is not an object
+# saying ``"must_understand": false`` (zarr-python refuses any extra field of a group, too).
+_SPEC_FIELDS = {
+    "array": frozenset({"zarr_format", "node_type", "shape", "data_type", "chunk_grid", "chunk_key_encoding",
+                        "fill_value", "codecs", "attributes", "storage_transformers", "dimension_names"}),
+    "group": frozenset({"zarr_format", "node_type", "attributes"}),
+}
+
+
+def _check_extensions(doc: dict[str, Any], where: str) -> None:
+    kind = doc.get("node_type")
+    known = _SPEC_FIELDS.get(kind) if isinstance(kind, str) else None
+    if known is None:
+        return  # not a node: the reader refuses its node_type
+    for key, value in doc.items():
+        if kind == "group" and key == "consolidated_metadata" and value is None:
+            continue  # early zarr-python 3 wrote it so; it says nothing
+        if key not in known and not (isinstance(value, dict) and value.get("must_understand") is False):
+            raise UnsupportedFormatError(
+                f"{where}: field {key!r} is a zarr extension reshard does not implement and it does not say "
+                '"must_understand": false; the zarr v3 spec requires refusing it'
+            )
+
+
 def parse_json(raw: bytes, where: str) -> dict[str, Any]:
     if len(raw) > MAX_JSON_SIZE:
         raise CorruptCheckpointError(f"{where}: larger than {MAX_JSON_SIZE} bytes; not zarr metadata")
@@ -131,6 +156,7 @@ def parse_json(raw: bytes, where: str) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{where}: not a JSON object")
     if doc.get("zarr_format") != 3:
         raise UnsupportedFormatError(f"{where}: zarr_format is {doc.get('zarr_format')!r}; reshard reads zarr v3 stores")
+    _check_extensions(doc, where)
     return doc
 
 

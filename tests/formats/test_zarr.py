@@ -256,3 +256,42 @@ def test_hostile_stores_are_refused_with_the_file_named(fsdp2_dcp, tmp_path: Pat
     assert_one_line_error(cli("inspect", store), "model.embed.weight/zarr.json", "not valid JSON")
     (store / "zarr.json").unlink()  # an unfinished write: no root metadata, no store
     assert_one_line_error(cli("inspect", store), "h.zarr")
+
+
+def test_extension_fields_are_refused_unless_must_understand_is_false(tmp_path: Path) -> None:
+    """The zarr v3 spec: a node whose zarr.json holds a field reshard does not implement is
+    refused unless that field is an object saying ``"must_understand": false``; zarr-python
+    refuses the same arrays, and reads the ignorable one as reshard does."""
+    import zarr
+    from safetensors.torch import load_file
+    from zarr.errors import MetadataValidationError, UnknownCodecError
+
+    store = tmp_path / "store.zarr"
+    arr = zarr.create_array(store, shape=(3, 4), dtype="float32", chunks=(2, 4))
+    arr[...] = np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5
+    doc = json.loads((store / "zarr.json").read_text())
+    for ext in ({"must_understand": True}, {"note": "no must_understand"}, 7):
+        (store / "zarr.json").write_text(json.dumps(dict(doc, my_ext=ext)))
+        assert_one_line_error(cli("convert", store, tmp_path / "out.safetensors"), f"{store}/zarr.json", "'my_ext'",
+                              '"must_understand": false')
+        with pytest.raises(MetadataValidationError, match="my_ext"):
+            zarr.open_array(store, mode="r")
+    assert not (tmp_path / "out.safetensors").exists()
+    (store / "zarr.json").write_text(json.dumps(dict(doc, my_ext={"must_understand": False, "x": 1})))
+    assert cli("convert", store, tmp_path / "out.safetensors").returncode == 0
+    want = zarr.open_array(store, mode="r")[...]
+    assert load_file(tmp_path / "out.safetensors")["store"].numpy().tobytes() == want.tobytes()
+    # An unknown codec is refused even when it says it may be ignored: zarr-python refuses it too.
+    codecs = doc["codecs"] + [{"name": "my_codec", "must_understand": False}]
+    (store / "zarr.json").write_text(json.dumps(dict(doc, codecs=codecs)))
+    assert_one_line_error(cli("inspect", store), "codec 'my_codec'", "must_understand")
+    with pytest.raises(UnknownCodecError, match="my_codec"):
+        zarr.open_array(store, mode="r")
+    # A group's extension fields follow the same rule.
+    group = tmp_path / "g.zarr"
+    zarr.open_group(group, mode="w").create_array("w", data=np.ones(2, dtype=np.float32))
+    root = json.loads((group / "zarr.json").read_text())
+    (group / "zarr.json").write_text(json.dumps(dict(root, my_ext={"must_understand": True})))
+    assert_one_line_error(cli("inspect", group), f"{group}/zarr.json", "'my_ext'")
+    (group / "zarr.json").write_text(json.dumps(dict(root, my_ext={"must_understand": False})))
+    assert set(reshard.inspect(group).tensors) == {"w"}
