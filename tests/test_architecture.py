@@ -42,9 +42,9 @@ def _mlp() -> dict[str, torch.Tensor]:
             "l1.bias": torch.randn(32, generator=g)}
 
 
-def test_an_mlp_under_a_llama_config_is_refused_by_convert_push_and_verify(llama: Path, tmp_path: Path,
-                                                                           offline: None) -> None:
-    os.chdir(tmp_path)
+def test_an_mlp_under_a_llama_config_is_refused_by_convert_push_and_verify(llama: Path, tmp_path: Path, offline: None,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
     torch.save(_mlp(), "mlp.pt")
     Path("cfg").mkdir()
     shutil.copy(llama / "config.json", "cfg/config.json")
