@@ -225,7 +225,7 @@ def convert(
     placements: Placements = None,
     keep_per_rank: Annotated[bool, typer.Option(
         "--keep-per-rank", help="With --to-mesh on another rank count: carry per-rank state (RNG, data loader) as is instead of dropping it.")] = False,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast parameters and their optimizer moments (never step or integer state), e.g. bfloat16.")] = None,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast parameters and their optimizer moments (state shaped like its parameter; never step or other values), e.g. bfloat16.")] = None,
     only: Annotated[Optional[str], typer.Option("--only", help="Keep one part: model (into a .pt/.safetensors file: the model's own keys), optim, or any name prefix.")] = None,
     exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Drop tensors and objects whose names match this glob (repeatable).")] = None,
     layout: LayoutOption = None,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
@@ -39,7 +39,7 @@ from reshard.gc_pause import without_gc
 from reshard.errors import UsageError, option
 
 if TYPE_CHECKING:
-    from reshard.catalog import Catalog, NestedPath
+    from reshard.catalog import Catalog, NestedPath, TensorEntry
 
 __all__ = ["Convention", "CONVENTIONS", "Place", "Layout", "detect_layout", "layout_notices", "AmbiguousLayoutError",
            "PARAM", "OPTIM_STATE", "OPTIM_GROUP", "PER_RANK", "OTHER", "rename_path", "is_per_rank"]
@@ -165,6 +165,19 @@ def in_sections(name: str, sections: tuple[str, ...]) -> bool:
 _OTHER, _PER_RANK = Place(OTHER), Place(PER_RANK)
 
 
+def _broadcast(a: tuple[int, ...] | None, b: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape ``a`` and ``b`` broadcast to, as torch broadcasts; None where they do not
+    (or ``a`` already did not)."""
+    if a is None:
+        return None
+    if len(a) < len(b):
+        a, b = b, a
+    b = (1,) * (len(a) - len(b)) + b
+    if any(x != y and 1 not in (x, y) for x, y in zip(a, b)):
+        return None
+    return tuple(y if x == 1 else x for x, y in zip(a, b))
+
+
 class Layout:
     """A convention applied to one checkpoint's names."""
 
@@ -232,16 +245,40 @@ class Layout:
         p = self.place(name)
         return p.fqn if p.role in (PARAM, OPTIM_STATE) else None
 
+    def param_shapes(self, tensors: Mapping[str, TensorEntry]) -> dict[str, tuple[int, ...]]:
+        """Each parameter's shape, for ``casts``: its model tensor's where the checkpoint holds
+        it; otherwise (state keyed by index, an optimizer saved alone) the broadcast of its
+        state tensors' shapes. An optimizer combines each state tensor elementwise with the
+        gradient, so each broadcasts to the parameter: the moments have its shape, a value
+        such as NAdam's ``mu_product`` saved as ``(1,)`` broadcasts into it, and Adafactor's
+        ``(m, 1)`` rows and ``(1, n)`` columns give ``(m, n)``, which none of them is. Shapes
+        that do not broadcast are no evidence: nothing of that parameter is cast."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        state: dict[str, tuple[int, ...] | None] = {}
+        for name, entry in tensors.items():
+            p = self.place(name)
+            if p.fqn is None:
+                continue
+            if p.role == PARAM:
+                shapes[p.fqn] = entry.shape
+            elif p.role == OPTIM_STATE and p.key != "step" and entry.dtype.is_floating_point:
+                state[p.fqn] = _broadcast(state.get(p.fqn, ()), entry.shape)
+        for fqn, shape in state.items():
+            if fqn not in shapes and shape is not None:
+                shapes[fqn] = shape
+        return shapes
+
     def casts(self, name: str, shape: tuple[int, ...], param_shapes: dict[str, tuple[int, ...]]) -> bool:
-        """Whether ``--dtype`` may cast this (floating) tensor: parameters, and optimizer state
-        shaped like its parameter (the moments; a plain optimizer's int-keyed state has no
-        parameter to compare with: any non-scalar state); never ``step`` or other scalars."""
+        """Whether ``--dtype`` may cast this (floating) tensor: parameters, and the moments:
+        optimizer state shaped like its parameter (``param_shapes``). Every other optimizer
+        value keeps its dtype whatever its shape: ``step``, 0-d values, a ``(1,)``
+        ``mu_product`` of a matrix."""
         p = self.place(name)
         if p.role == PARAM:
             return True
         if p.role != OPTIM_STATE or p.key == "step" or not shape:
             return False
-        return param_shapes.get(p.fqn, shape) == shape
+        return param_shapes.get(p.fqn) == shape
 
     def in_section(self, name: str, only: str) -> bool:
         """``--only model|optim|optimizer|PREFIX``: the model and optimizer by their role,

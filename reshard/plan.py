@@ -115,15 +115,16 @@ def select(catalog: Catalog, only: str | None, layout: Layout | None = None) -> 
 
 
 class Casting:
-    """``--dtype`` for one catalog: parameters and their floating optimizer moments are cast;
-    optimizer ``step``, other scalar state, integer tensors and non-model state are not."""
+    """``--dtype`` for one catalog: parameters and their moments (the optimizer tensors shaped
+    like their parameter) are cast; every other optimizer value (``step``, NAdam's
+    ``mu_product`` whatever its shape), integer tensors and non-model state are not."""
 
     def __init__(self, catalog: Catalog, to: DType | None, layout: Layout) -> None:
         self.to, self.layout = to, layout
-        self.param_shapes = {p.fqn: t.shape for n, t in catalog.tensors.items()
-                             if (p := layout.place(n)).role == PARAM and p.fqn is not None}
+        self.param_shapes = layout.param_shapes(catalog.tensors) if to is not None else {}
         self.cast: dict[str, int] = {}  # role -> tensors cast
         self.kept: dict[str, int] = {}  # role -> floating tensors left in their dtype
+        self.kept_names: list[str] = []
 
     def dtype(self, name: str, entry: TensorEntry) -> DType:
         if self.to is None or not entry.dtype.is_floating_point:
@@ -132,10 +133,13 @@ class Casting:
         tally = self.cast if casts else self.kept
         role = self.layout.role(name)
         tally[role] = tally.get(role, 0) + 1
+        if not casts:
+            self.kept_names.append(name)
         return self.to if casts else entry.dtype
 
     def notice(self) -> list[str]:
-        """What ``--dtype`` cast and which floating tensors it left alone, by role."""
+        """What ``--dtype`` cast and which floating tensors it left alone, by role, naming the
+        first few left (steps last: everyone expects those)."""
         if self.to is None:
             return []
 
@@ -144,8 +148,16 @@ class Casting:
 
         to = str(self.to).removeprefix("torch.")
         line = f"cast to {to} under layout {self.layout.name}: {words(self.cast)}"
-        return [line + (f"; kept as saved: {words(self.kept)} (optimizer steps, scalars, state that is neither "
-                        "model nor optimizer)" if self.kept else "")]
+        if not self.kept:
+            return [line]
+        names = sorted(self.kept_names, key=lambda n: self.layout.place(n).key == "step")
+        more = len(names) - _NAMED
+        named = ", ".join(names[:_NAMED]) + (f" and {more} more" if more > 0 else "")
+        return [f"{line}; kept as saved: {words(self.kept)} ({named}; optimizer steps, optimizer values not shaped "
+                "like their parameter, state that is neither model nor optimizer)"]
+
+
+_NAMED = 3  # tensors a --dtype notice names of those it left as saved
 
 
 _ROLE_WORDS = {"param": "parameters", "optim_state": "optimizer tensors", "optim_group": "optimizer hyper-parameters",

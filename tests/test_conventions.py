@@ -85,6 +85,7 @@ def test_casting_rule() -> None:
     assert layout.casts("optim.state.layers.0.w.exp_avg", (2,), shapes)
     assert not layout.casts("optim.state.layers.0.w.step", (), shapes)
     assert not layout.casts("extra.scale", (2,), shapes)
+    assert not layout.casts("optim.state.layers.9.w.exp_avg", (2,), shapes)  # no parameter, no shape: kept
 
 
 def test_rename_path_keeps_the_text_around_the_fqn() -> None:

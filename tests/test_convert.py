@@ -120,6 +120,86 @@ def test_dtype_casts_parameters_and_moments_never_step(fsdp2_dcp, fsdp2_referenc
     assert out["extra"]["scale"].dtype == torch.float32
 
 
+def _optimizer_checkpoints(tmp_path: Path, make: str) -> tuple[torch.nn.Module, dict[str, Path]]:
+    """A tiny model after two steps of a real torch optimizer, saved three ways: torch's
+    get_state_dict under DCP (state keyed by FQN), ``torch.save`` of ``opt.state_dict()`` beside
+    the model (keyed by index) and alone. NAdam's ``mu_product`` is stored as ``(1,)`` for a
+    (4, 3) weight (a value, not a moment) and for a (1,) bias (shaped like its parameter)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    opt = {"nadam": lambda p: torch.optim.NAdam(p, lr=0.1), "adam": lambda p: torch.optim.Adam(p, amsgrad=True),
+           "adafactor": lambda p: torch.optim.Adafactor(p), "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)
+           }[make](model.parameters())
+    for _ in range(2):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+    if make == "nadam":
+        for p in (model[0].weight, model[1].bias):
+            opt.state[p]["mu_product"] = opt.state[p]["mu_product"].reshape(1)
+    paths = {"fqn": tmp_path / f"{make}_dcp", "index": tmp_path / f"{make}_index.pt", "alone": tmp_path / f"{make}_alone.pt"}
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=paths["fqn"], no_dist=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, paths["index"])
+    torch.save(opt.state_dict(), paths["alone"])
+    return model, paths
+
+
+@pytest.mark.parametrize("make", ["nadam", "adam", "adafactor", "sgd"])
+def test_dtype_casts_moments_and_keeps_every_other_optimizer_value(tmp_path: Path, make: str, capsys) -> None:
+    """--dtype casts parameters and the optimizer tensors shaped like their parameter; every
+    other optimizer value (step, mu_product whether 0-d or (1,), Adafactor's factored rows and
+    columns) keeps its dtype and bits, whether the state is keyed by FQN, by index beside the
+    model, or saved alone, and the notice names what it left. Read back by torch.load and by
+    torch's own DCP reader."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from reshard.cli import main
+
+    model, paths = _optimizer_checkpoints(tmp_path, make)
+    params = dict(model.named_parameters())
+    order = list(params)
+    out = {"fqn": tmp_path / "fqn_bf16.pt", "index": tmp_path / "index_bf16", "alone": tmp_path / "alone_bf16.pt"}
+    notices = reshard.convert(paths["fqn"], out["fqn"], dtype="bfloat16", quiet=True).notices
+    reshard.convert(paths["index"], out["index"], to="dcp", dtype="bfloat16", quiet=True)
+    dcp_to_torch_save(out["index"], tmp_path / "index_bf16.pt")
+    assert main(["convert", str(paths["alone"]), str(out["alone"]), "--dtype", "bfloat16"]) == 0
+    stderr = capsys.readouterr().err
+    got = {"fqn": torch.load(out["fqn"], weights_only=True), "alone": torch.load(out["alone"], weights_only=True),
+           "index": torch.load(tmp_path / "index_bf16.pt", weights_only=True)}
+    saved_state = torch.load(paths["index"], weights_only=True)["optimizer"]["state"]  # keyed by index
+    cast: set[tuple[str, str]] = set()
+    for variant, full in got.items():
+        state = full["optim" if variant == "fqn" else "optimizer"]["state"] if variant != "alone" else full["state"]
+        if variant != "alone":
+            section = full["model"]
+            assert set(section) == set(params), variant
+            assert all(_bits_equal(section[n], p.detach().to(torch.bfloat16)) for n, p in params.items()), variant
+        for index, fqn in enumerate(order):
+            values = state[{"fqn": fqn, "index": str(index), "alone": index}[variant]]  # DCP keys are strings
+            saved = saved_state[index]
+            assert set(values) == set(saved), (variant, fqn)
+            for key, before in saved.items():
+                moment = key != "step" and before.dim() > 0 and before.shape == params[fqn].shape
+                want = before.to(torch.bfloat16) if moment else before
+                assert _bits_equal(values[key], want), (make, variant, fqn, key, values[key].dtype)
+                if moment:
+                    cast.add((fqn, key))
+    kept_words = [line for line in [*notices, *stderr.splitlines()] if "kept as saved" in line]
+    if make == "nadam":
+        # The (1,) mu_product of a (4, 3) weight is a value; of a (1,) bias, shaped like it.
+        assert ("0.weight", "mu_product") not in cast and ("1.bias", "mu_product") in cast
+        assert len(kept_words) == 2 and all("mu_product" in line for line in kept_words), kept_words
+        assert ("kept as saved: 7 optimizer tensors (state.0.mu_product, state.1.mu_product, state.2.mu_product and 4 more; "
+                "optimizer steps") in stderr, stderr
+    if make == "adafactor":
+        assert ("0.weight", "row_var") not in cast and ("0.bias", "variance") in cast
+        assert all("row_var" in line for line in kept_words), kept_words
+    if make == "sgd":
+        assert cast == {(fqn, "momentum_buffer") for fqn in order} and not kept_words
+
+
 def test_default_destination_is_beside_the_source(fsdp2_dcp, tmp_path: Path) -> None:
     import shutil
 
