@@ -18,10 +18,17 @@ the checkpoint size.
 The manifest sits inside the folder as the hidden ``.reshard-manifest.json``: every reader we
 know (torch's DCP, safetensors and transformers loaders, reshard's own) ignores files it is not
 told about. Single-file outputs carry none: a sibling file would break "one file" for the user.
+
+A file added after the conversion is mostly harmless (a README, a tokenizer), but not a
+weights file that loaders take by its name: transformers' ``from_pretrained`` loads
+``model.safetensors`` *before* ``model.safetensors.index.json``, so one dropped beside a
+sharded export makes the folder load other weights while every listed byte is intact. Those
+(``LOADED_BY_NAME``) are problems of their own kind, ``unlisted_weights``.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -31,8 +38,8 @@ from pathlib import Path, PurePosixPath
 
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["MANIFEST_NAME", "ALGORITHM", "FileDigest", "ManifestProblem", "file_digest", "write_manifest",
-           "read_manifest", "check_manifest"]
+__all__ = ["MANIFEST_NAME", "ALGORITHM", "LOADED_BY_NAME", "FileDigest", "ManifestProblem", "file_digest",
+           "write_manifest", "read_manifest", "check_manifest"]
 
 MANIFEST_NAME = ".reshard-manifest.json"
 ALGORITHM = "sha256"
@@ -50,8 +57,50 @@ class FileDigest:
 @dataclass(frozen=True)
 class ManifestProblem:
     relpath: str
-    kind: str  # "size", "checksum", "missing", "not_in_manifest"
+    kind: str  # "size", "checksum", "missing", "unlisted_weights", "not_in_manifest"
     detail: str
+
+
+# transformers' from_pretrained takes the first of these that a folder holds (modeling_utils.
+# _get_resolved_checkpoint_files): a file early in the list wins over the manifest's later one.
+_HF_ORDER = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Other weights files a loader takes by their name (globs, first match), and who does.
+LOADED_BY_NAME: tuple[tuple[str, str], ...] = (
+    ("model.*.safetensors", "from_pretrained(variant=...) loads it"),
+    ("model.*.safetensors.index.json", "from_pretrained(variant=...) loads its files"),
+    ("pytorch_model.*.bin", "from_pretrained(variant=...) loads it"),
+    ("pytorch_model.*.bin.index.json", "from_pretrained(variant=...) loads its files"),
+    ("*.index.json", "it is a second index: which files make the model has two answers (readers that take every "
+                     "*.safetensors.index.json of a folder, reshard's without model.safetensors.index.json, read both)"),
+    ("consolidated*.safetensors", "Mistral-format loaders (vLLM --load-format mistral, mistral-inference) load it"),
+    ("adapter_model.safetensors", "PEFT and from_pretrained load it as an adapter on top of the model"),
+    ("adapter_model.bin", "PEFT and from_pretrained load it as an adapter on top of the model"),
+)
+
+
+def _loaded_instead(expected: set[str], added: list[str]) -> dict[str, str]:
+    """The files among ``added`` (not in the manifest) that a loader would take as weights,
+    instead of or beside the manifest's, each with who takes it and why."""
+    out = {}
+    listed_hf = [n for n in _HF_ORDER if n in expected]
+    indexed = any(n.endswith(".safetensors.index.json") for n in expected)
+    unindexed = not indexed and any(n.endswith(".safetensors") for n in expected)
+    for rel in added:
+        if "/" in rel:
+            continue  # loaders read a model folder's top level
+        if rel in _HF_ORDER:
+            ahead = not listed_hf or _HF_ORDER.index(rel) < _HF_ORDER.index(listed_hf[0])
+            if ahead:
+                how = f"instead of {listed_hf[0] if listed_hf else 'the files the manifest lists'}"
+            else:
+                how = f"once {listed_hf[0]} is gone" + (
+                    " or with use_safetensors=False" if rel.startswith("pytorch_model") else "")
+            out[rel] = f"transformers' from_pretrained loads it {how} (it takes the first of {', '.join(_HF_ORDER)})"
+        elif why := next((w for pattern, w in LOADED_BY_NAME if fnmatch.fnmatchcase(rel, pattern)), None):
+            out[rel] = why
+        elif unindexed and rel.endswith(".safetensors"):
+            out[rel] = "the manifest's safetensors have no index: readers of the folder (reshard, vLLM) load every *.safetensors"
+    return out
 
 
 def file_digest(path: Path) -> FileDigest:
@@ -161,16 +210,20 @@ def read_manifest(root: Path) -> dict[str, FileDigest]:
 
 def check_manifest(root: Path, *, workers: int | None = None) -> tuple[int, list[ManifestProblem]]:
     """(files checked, problems) for folder ``root`` against its manifest: each file whose
-    size or hash differs, that is missing, or that the manifest does not list (a file added
-    afterwards, a README or tokenizer copied in: the caller decides what that means). Sizes are
+    size or hash differs, that is missing, or that the manifest does not list: a weights file
+    loaders would take (``unlisted_weights``), or any other file added afterwards, a README or
+    tokenizer copied in (``not_in_manifest``: the caller decides what that means). Sizes are
     compared first, so a truncated file is reported without reading it."""
     root = Path(root)
     expected = read_manifest(root)
     present = set(_files(root))
     problems = [ManifestProblem(rel, "missing", "listed in the manifest but not in the folder")
                 for rel in sorted(set(expected) - present)]
-    problems += [ManifestProblem(rel, "not_in_manifest", "in the folder but not in the manifest (added later?)")
-                 for rel in sorted(present - set(expected))]
+    added = sorted(present - set(expected))
+    weights = _loaded_instead(set(expected), added)
+    problems += [ManifestProblem(rel, "unlisted_weights", f"not in the manifest, and {weights[rel]}") if rel in weights
+                 else ManifestProblem(rel, "not_in_manifest", "in the folder but not in the manifest (added later?)")
+                 for rel in added]
     same_size = []
     for rel in sorted(set(expected) & present):
         size = (root / rel).stat().st_size

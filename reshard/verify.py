@@ -43,7 +43,8 @@ __all__ = ["verify", "verify_manifest", "VerifyResult", "Difference"]
 class Difference:
     """One way the two sides differ. ``kind`` is one of ``only_in_a``, ``only_in_b``,
     ``structure`` (nesting or container type), ``dtype``, ``shape``, ``values``, ``object``;
-    for ``verify --quick``: ``size``, ``checksum``, ``missing``, ``architecture``."""
+    for ``verify --quick``: ``size``, ``checksum``, ``missing``, ``unlisted_weights`` (a weights file
+    the manifest does not list that loaders would take), ``architecture``."""
 
     name: str
     kind: str
@@ -333,9 +334,11 @@ def _compare_tensor(result: VerifyResult, name: str, ta: TensorEntry, tb: Tensor
 def verify_manifest(folder: str | os.PathLike) -> VerifyResult:
     """``verify --quick``: check a folder against the manifest reshard wrote into it (sizes and
     SHA-256 of every file), without the source and without parsing any tensor. Each file whose
-    bytes changed or that is missing is one Difference named by its path; a file added after
-    the conversion (a tokenizer or README copied in) is not a failure of what reshard wrote,
-    and is named in ``notes``. No manifest, or a malformed one, raises a ReshardError."""
+    bytes changed or that is missing is one Difference named by its path, and so is a weights
+    file added since that loaders would take instead of or beside the manifest's
+    (``model.safetensors`` beside an index: ``reshard.manifest.LOADED_BY_NAME``); any other file
+    added after the conversion (a tokenizer or README copied in) is not a failure of what
+    reshard wrote, and is named in ``notes``. No manifest, or a malformed one, raises a ReshardError."""
     from reshard.manifest import MANIFEST_NAME, check_manifest
     from reshard.sources import local_path
 

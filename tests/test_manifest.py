@@ -159,3 +159,75 @@ def test_known_digests_are_reused_only_while_the_size_holds(tmp_path: Path) -> N
     write_manifest(tmp_path, known={"a.bin": planted, "b.bin": FileDigest(49, "e" * 64), "gone.bin": planted})
     got = read_manifest(tmp_path)
     assert got == {"a.bin": planted, "b.bin": real["b.bin"], "c.bin": real["c.bin"]}
+
+
+def test_weights_files_loaders_would_take_instead_fail_verify_quick(tmp_path: Path) -> None:
+    """A sharded HF export stays byte-intact when another model.safetensors is dropped beside
+    its index, yet transformers' from_pretrained then loads that file: verify --quick fails
+    (exit 1) naming it, and so for pytorch_model.bin (loaded with use_safetensors=False) and a
+    second index. A README still passes, as a note."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    from tests.hf_models import save_tiny_llama
+
+    out = tmp_path / "hf"
+    proc = reshard("convert", save_tiny_llama(tmp_path / "src", tie=False), out, "--to", "hf",
+                   "--max-shard-size", "20KB", "--quiet")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "model.safetensors.index.json").is_file() and not (out / "model.safetensors").exists()
+    written = LlamaForCausalLM.from_pretrained(out).state_dict()
+    other = {n: t + 1 for n, t in written.items()}
+    (out / "NOTES.txt").write_text("notes")
+
+    def loaded(**kwargs) -> bool:  # whether from_pretrained now gives the other weights
+        got = LlamaForCausalLM.from_pretrained(out, **kwargs).state_dict()
+        return all(torch.equal(got[n], other[n]) for n in written)
+
+    def check(name: str, detail: str) -> None:
+        bad = reshard("verify", "--quick", out)
+        assert bad.returncode == 1, bad.stdout
+        assert bad.stdout.splitlines()[0].startswith(f"DIFF {name}: unlisted_weights: not in the manifest, and {detail}"), bad.stdout
+        assert "note: 1 file(s) not in manifest (added after the conversion, not checked): NOTES.txt" in bad.stdout
+        assert "1 file(s) differ from the manifest" in bad.stdout
+        as_json = json.loads(reshard("verify", "--quick", out, "--json").stdout)
+        assert [(d["name"], d["kind"]) for d in as_json["differences"]] == [(name, "unlisted_weights")]
+
+    order = "(it takes the first of model.safetensors, model.safetensors.index.json, pytorch_model.bin, " \
+            "pytorch_model.bin.index.json)"
+    save_file(other, out / "model.safetensors")
+    assert loaded()  # every listed byte intact, other weights loaded
+    check("model.safetensors", f"transformers' from_pretrained loads it instead of model.safetensors.index.json {order}")
+    (out / "model.safetensors").unlink()
+    torch.save(other, out / "pytorch_model.bin")
+    assert loaded(use_safetensors=False)
+    check("pytorch_model.bin", "transformers' from_pretrained loads it once model.safetensors.index.json is gone or "
+          f"with use_safetensors=False {order}")
+    (out / "pytorch_model.bin").unlink()
+    (out / "model.fp32.safetensors.index.json").write_bytes((out / "model.safetensors.index.json").read_bytes())
+    check("model.fp32.safetensors.index.json", "from_pretrained(variant=...) loads its files")
+    (out / "model.fp32.safetensors.index.json").rename(out / "extra.safetensors.index.json")
+    check("extra.safetensors.index.json", "it is a second index: which files make the model has two answers")
+    (out / "extra.safetensors.index.json").unlink()
+    ok = reshard("verify", "--quick", out)
+    assert ok.returncode == 0 and "NOTES.txt" in ok.stdout and ok.stdout.splitlines()[-1].startswith("intact ("), ok.stdout
+
+
+def test_a_safetensors_file_beside_unindexed_ones_is_loaded_with_them(tmp_path: Path) -> None:
+    """Without an index, a folder's readers take every *.safetensors in it: one added later is
+    a weights difference; a stray file in a subfolder or of another kind stays a note."""
+    from safetensors.torch import save_file
+
+    import reshard as api
+
+    save_file({"a": torch.ones(2)}, tmp_path / "a.safetensors")
+    write_manifest(tmp_path)
+    save_file({"b": torch.zeros(3)}, tmp_path / "b.safetensors")
+    (tmp_path / "sub").mkdir()
+    save_file({"c": torch.zeros(3)}, tmp_path / "sub" / "model.safetensors")
+    (tmp_path / "notes.txt").write_text("x")
+    assert set(api.inspect(tmp_path).tensors) == {"a", "b"}  # the added file is read with the listed one
+    _, problems = check_manifest(tmp_path)
+    assert [(p.relpath, p.kind) for p in problems] == [
+        ("b.safetensors", "unlisted_weights"), ("notes.txt", "not_in_manifest"), ("sub/model.safetensors", "not_in_manifest")]
+    assert "have no index: readers of the folder (reshard, vLLM) load every *.safetensors" in problems[0].detail
