@@ -1,12 +1,17 @@
-"""The documentation's commands run as written: every shell command in README.md and docs/ is
-extracted and run, offline, in a folder holding small checkpoints under the names the docs use
-(``ckpt/``, ``ds/``, ``mg/``...), each file's commands in order in one folder. A command passes
-when it exits 0, or 1 for ``reshard verify`` (a comparison that found differences: the docs
-show verify across checkpoints that differ); a usage error, bad input or a crash fails it.
+"""The documentation's commands run as written: every shell command and Python block in
+README.md and docs/ is extracted and run, offline, in a folder holding small checkpoints under
+the names the docs use (``ckpt/``, ``ds/``, ``mg/``...), each file's blocks in order in one
+folder and one process (so a ``memory://`` store lives from one block to the next, as in the
+reader's own Python session). A command passes when it exits 0, or 1 for ``reshard verify`` (a
+comparison that found differences: the docs show verify across checkpoints that differ); a
+usage error, bad input or a crash fails it; a Python block passes when it raises nothing.
 
-``SKIPPED`` lists the commands that cannot run here and why (network, installs, multi-node
-launchers, the benchmarks); ``test_a_broken_command_fails`` proves the runner catches one.
-Every relative link in the docs resolves to a file of the repository.
+No block is left out silently: ``SKIPPED`` and ``BLOCKS_SKIPPED`` say why each command or
+block that cannot run here does not (network, installs, multi-node launchers, GPUs, the
+benchmarks, fragments), ``NOT_CODE`` what the blocks of no code are instead, and
+``test_what_does_not_run_here_says_why`` reports each of them as a skip with its reason
+(``-ra`` prints them), failing for any without one. ``test_a_broken_command_fails`` proves the runner catches a broken command. Every
+relative link in the docs resolves to a file of the repository.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import re
 import shlex
 import shutil
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +46,21 @@ SKIPPED = (
     ("reshard convert meta-llama/", "downloads from the Hub (the folder it would make is provided)"),
     ("reshard validate", "trains and resumes on spawned worlds for a minute (tests/test_validate.py runs it)"),
 )
+# The same for blocks other than shell commands: Python, and text that is no command here.
+BLOCKS_SKIPPED = (
+    ('validate("2", "3"', "trains and resumes on spawned worlds for a minute (tests/test_validate.py runs it)"),
+    ('init_process_group("nccl")', "GPUs under torchrun (tests/test_runtime.py, test_deepspeed_resume.py and "
+                                   "test_torchtitan_resume.py load the same way on gloo)"),
+    ("reshard.load_model(model", "a fragment: `model` and its optimizer are the reader's own, under torchrun "
+                                 "(tests/test_runtime.py loads the same way on gloo)"),
+    ("reshard inspect s3://bucket", "S3 buckets and the Hub: network and credentials (the memory:// block after it "
+                                    "runs the same steps)"),
+)
+# Blocks that are no code, by language: what they are instead.
+NOT_CODE = {
+    "json": "a JSON document (sample output, or a file's contents), not a command",
+    "": "not commands (a diagram, a synopsis or sample output)",
+}
 
 # Commands another test runs as written, with what they need that this runner lacks.
 RUN_ELSEWHERE = (
@@ -49,12 +70,16 @@ RUN_ELSEWHERE = (
 
 @dataclass(frozen=True)
 class Command:
+    """A shell command, a Python block (``language="python"``), or a block of no code."""
+
     doc: Path
     line: int
     text: str
+    language: str = "shell"
 
     def __str__(self) -> str:
-        return f"{self.doc.relative_to(ROOT)}:{self.line}: {self.text}"
+        first, *more = self.text.splitlines() or [""]
+        return f"{self.doc.relative_to(ROOT)}:{self.line}: {first}{' ...' if more else ''}"
 
 
 def _blocks(doc: Path) -> list[tuple[str, int, list[str]]]:
@@ -77,36 +102,80 @@ def _first_word(line: str) -> str:
     return words[0] if words else ""
 
 
-def doc_commands(doc: Path) -> list[Command]:
-    """Shell commands of ``doc``: ``bash``/``sh``/``console`` blocks, and unlabelled blocks
-    whose lines are all commands; in console blocks (or with ``$`` prompts) only the prompted
-    lines. Continuations (``\\``) are joined; comments and output lines are left out."""
-    found = []
+def _is_shell(lang: str, lines: list[str]) -> bool:
+    """``bash``/``sh``/``console`` blocks, prompted ones, and unlabelled blocks whose lines are
+    all commands."""
+    if lang in SHELL or any(line.startswith("$ ") for line in lines):
+        return True
+    body = [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    return not lang and bool(body) and all(_first_word(line) in COMMANDS for line in body)
+
+
+def doc_steps(doc: Path) -> list[Command]:
+    """Everything fenced in ``doc``, in order: its shell commands one by one, each other block
+    whole (Python to run, or a block of no code)."""
+    steps = []
     for lang, start, lines in _blocks(doc):
-        prompted = any(line.startswith("$ ") for line in lines)
-        if lang not in SHELL and not prompted:
-            body = [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
-            if lang or not body or not all(_first_word(line) in COMMANDS for line in body):
+        if _is_shell(lang, lines):
+            steps += _shell_commands(doc, start, lines)
+        else:
+            steps.append(Command(doc, start, "\n".join(lines), lang))
+    return steps
+
+
+def doc_commands(doc: Path) -> list[Command]:
+    """Shell commands of ``doc``."""
+    return [c for c in doc_steps(doc) if c.language == "shell"]
+
+
+def _shell_commands(doc: Path, start: int, lines: list[str]) -> list[Command]:
+    """In console blocks (or with ``$`` prompts) only the prompted lines. Continuations
+    (``\\``) are joined; comments and output lines are left out."""
+    found = []
+    prompted = any(line.startswith("$ ") for line in lines)
+    text, at = "", 0
+    for offset, line in enumerate(lines):
+        if prompted:
+            if not line.startswith("$ ") and not text:
                 continue
-        text, at = "", 0
-        for offset, line in enumerate(lines):
-            if prompted:
-                if not line.startswith("$ ") and not text:
-                    continue
-                line = line[2:] if line.startswith("$ ") else line
-            if not text:
-                at = start + offset
-            text += line.rstrip().removesuffix("\\") + " " if line.rstrip().endswith("\\") else line
-            if not line.rstrip().endswith("\\"):
-                words = shlex.split(text, comments=True)
-                if words:
-                    found.append(Command(doc, at, " ".join(shlex.quote(w) for w in words)))
-                text = ""
+            line = line[2:] if line.startswith("$ ") else line
+        if not text:
+            at = start + offset
+        text += line.rstrip().removesuffix("\\") + " " if line.rstrip().endswith("\\") else line
+        if not line.rstrip().endswith("\\"):
+            words = shlex.split(text, comments=True)
+            if words:
+                found.append(Command(doc, at, " ".join(shlex.quote(w) for w in words)))
+            text = ""
     return found
 
 
 def skip_reason(command: Command) -> str | None:
-    return next((why for part, why in (*RUN_ELSEWHERE, *SKIPPED) if part in command.text), None)
+    """Why ``command`` does not run here; None for a command or Python block that does (and for
+    a block of no code with no reason given, which the test below fails)."""
+    table = SKIPPED if command.language == "shell" else BLOCKS_SKIPPED
+    listed = next((why for part, why in (*RUN_ELSEWHERE, *table) if part in command.text), None)
+    return listed or (None if command.language in ("shell", "python") else NOT_CODE.get(command.language))
+
+
+def runs_here(command: Command) -> bool:
+    return command.language in ("shell", "python") and skip_reason(command) is None
+
+
+def run_python(command: Command, where: Path, capsys) -> tuple[int, str]:
+    """Run a Python block in ``where``, as a reader pastes it into a fresh interpreter (it shares
+    this process, so a ``memory://`` store outlives it, as in that reader's session)."""
+    cwd = os.getcwd()
+    os.chdir(where)
+    try:
+        exec(compile(command.text, str(command), "exec"), {"__name__": "__main__"})
+        code, failure = 0, ""
+    except Exception:  # the block's own error, shown with the command
+        code, failure = 1, traceback.format_exc()
+    finally:
+        os.chdir(cwd)
+    out = capsys.readouterr()
+    return code, out.out + out.err + failure
 
 
 def run(command: Command, where: Path, capsys) -> tuple[int, str]:
@@ -194,20 +263,42 @@ def test_the_docs_have_commands_and_few_are_skipped() -> None:
     commands = [c for doc in DOCS for c in doc_commands(doc)]
     skipped = [c for c in commands if skip_reason(c) and not any(part in c.text for part, _ in RUN_ELSEWHERE)]
     assert len(commands) >= 40 and len(skipped) <= 16, [str(c) for c in skipped]
-    for part, _ in (*RUN_ELSEWHERE, *SKIPPED):  # every entry still names a documented command
-        assert any(part in c.text for c in commands), part
+    steps = [c for doc in DOCS for c in doc_steps(doc)]
+    for part, _ in (*RUN_ELSEWHERE, *SKIPPED, *BLOCKS_SKIPPED):  # every entry still names a documented step
+        assert any(part in c.text for c in steps), part
+    # The object-stores recipe's memory:// steps run (in one process: each CLI process would
+    # have a store of its own), as does the check that an HF export loads.
+    run_blocks = {(c.doc.name, c.text.splitlines()[0]) for c in steps if c.language == "python" and runs_here(c)}
+    assert ("object-stores.md", "import fsspec") in run_blocks, run_blocks
+    assert ("hub-export.md", "from transformers import AutoModelForCausalLM") in run_blocks, run_blocks
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if doc_commands(d)], ids=lambda d: str(d.relative_to(ROOT)))
+_NOT_RUN = [c for doc in DOCS for c in doc_steps(doc) if not runs_here(c)]
+
+
+@pytest.mark.parametrize("command", _NOT_RUN, ids=[f"{c.doc.relative_to(ROOT)}:{c.line}" for c in _NOT_RUN])
+def test_what_does_not_run_here_says_why(command: Command) -> None:
+    reason = skip_reason(command)
+    assert reason, f"{command}: a {command.language or 'unlabelled'} block this test neither runs nor says why " \
+                   "(add it to SKIPPED or NOT_CODE)"
+    pytest.skip(f"{command}: {reason}")
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if any(runs_here(c) for c in doc_steps(d))],
+                         ids=lambda d: str(d.relative_to(ROOT)))
 def test_documented_commands_run_as_written(doc: Path, training_ckpt: Path, tmp_path: Path, capsys,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsspec.implementations.memory import MemoryFileSystem
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(MemoryFileSystem, "store", {})  # each doc's memory:// starts empty, and is dropped after
+    monkeypatch.setattr(MemoryFileSystem, "pseudo_dirs", [""])
     where = workspace(doc, tmp_path, training_ckpt)
     capsys.readouterr()
-    for command in doc_commands(doc):
-        if skip_reason(command):
+    for command in doc_steps(doc):
+        if not runs_here(command):
             continue
-        code, output = run(command, where, capsys)
+        code, output = (run_python if command.language == "python" else run)(command, where, capsys)
         assert passed(command, code), f"{command}\nexit {code}:\n{output[-2000:]}"
 
 
