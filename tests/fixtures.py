@@ -1,13 +1,18 @@
 """Real checkpoints for tests come from reshard.example (written by torch itself); one helper
 reads a catalog entry back whole, through its chunks' own reads."""
 
+import pickle
+import types
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from reshard.boxes import full_box
 from reshard.catalog import TensorEntry
 from reshard.example import TinyNet, full_reference, save_fsdp2_dcp
 
-__all__ = ["TinyNet", "save_fsdp2_dcp", "full_reference", "full_tensor"]
+__all__ = ["TinyNet", "save_fsdp2_dcp", "full_reference", "full_tensor", "save_editing_refs", "onto"]
 
 
 def full_tensor(entry: TensorEntry) -> torch.Tensor:
@@ -17,3 +22,34 @@ def full_tensor(entry: TensorEntry) -> torch.Tensor:
     for c in entry.chunks:
         out[c.box.as_slices()] = c.data.read(full_box(c.box.sizes))
     return out
+
+
+StorageEdit = Callable[[tuple, int, dict[int, str]], tuple]
+
+
+def save_editing_refs(obj: Any, f: Any, edit: StorageEdit, **kwargs: Any) -> None:
+    """``torch.save(obj, f, **kwargs)`` with each storage reference torch pickles (``('storage',
+    type, key, location, numel[, view])``) replaced by ``edit(pid, data_ptr, keys)``, ``keys``
+    mapping the data pointers of the storages met so far to their keys: files torch.save
+    refuses to write (views of one storage with different dtypes), which torch.load reads."""
+    keys: dict[int, str] = {}
+
+    def ptr(storage: Any) -> int:
+        return getattr(storage, "_untyped_storage", storage).data_ptr()
+
+    class Pickler(pickle._Pickler):  # type: ignore[name-defined]  # torch's subclass overrides persistent_id
+        def save(self, o: Any, save_persistent_id: bool = True) -> None:
+            pid = self.persistent_id(o) if save_persistent_id else None
+            if pid is None:
+                return super().save(o, save_persistent_id)
+            keys.setdefault(ptr(o), pid[2])
+            self.save_pers(edit(pid, ptr(o), keys))
+
+    torch.save(obj, f, pickle_module=types.SimpleNamespace(__name__="pickle", Pickler=Pickler, dump=pickle.dump),
+               **kwargs)
+
+
+def onto(moved: torch.Tensor, target: torch.Tensor) -> StorageEdit:
+    """An edit: ``moved``'s storage references name ``target``'s storage (pickled before it)."""
+    src, dst = moved.untyped_storage().data_ptr(), target.untyped_storage().data_ptr()
+    return lambda pid, ptr, keys: (*pid[:2], keys[dst], *pid[3:]) if ptr == src else pid

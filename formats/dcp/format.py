@@ -73,7 +73,7 @@ def _chunk_data(root: Path, it: Item, placed: Placed, path: Path | None = None) 
         return ZstdChunk(path, it.rec.offset, it.rec.length, it.dtype, it.box.sizes, where)
     if placed.kind != ZIP:
         return placed.region
-    region = read_torch_zip(path, it.rec.offset, it.rec.length)
+    region = read_torch_zip(path, it.rec.offset, it.rec.length, it.name)
     if not isinstance(region, StoredRegion):
         raise CorruptCheckpointError(f"{where} holds {type(region).__name__}, not a tensor")
     if region.shape != it.box.sizes or region.dtype != it.dtype:
@@ -91,8 +91,8 @@ def _lazy_object(root: Path, name: str, rec: StorageRecord) -> Callable[[], Any]
 def _object_loader(root: Path, it: Item, placed: Placed) -> Callable[[], Any]:
     path, rec = root / it.rec.relpath, it.rec
     if placed.kind == ZSTD:
-        return lambda: load_zstd_object(path, rec.offset, rec.length, f"{path}: {it.describe()}")
-    return lambda: load_object_blob(path, rec.offset, rec.length, lambda r: r.read_all())
+        return lambda: load_zstd_object(path, rec.offset, rec.length, f"{path}: {it.describe()}", it.name)
+    return lambda: load_object_blob(path, rec.offset, rec.length, lambda r: r.read_all(), it.name)
 
 
 class _LazyChunk:

@@ -276,10 +276,12 @@ class ZstdChunk:
         return _tensor(raw, region, box, strides)
 
 
-def load_zstd_object(path: Path, offset: int, length: int, where: str) -> Any:
-    """The value of a zstd-compressed DCP byte object, tensors inside it read whole."""
+def load_zstd_object(path: Path, offset: int, length: int, where: str, name: str = "") -> Any:
+    """The value of a zstd-compressed DCP byte object (``name``), tensors inside it read whole."""
     archive = _Archive(path, offset, length, where)
-    obj = _ArchiveReader(archive).load()
+    reader = _ArchiveReader(archive)
+    reader.root = name
+    obj = reader.load()
 
     def read(region: StoredRegion) -> torch.Tensor:
         import torch

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.torch.zip import TorchPickle
+from reshard.formats.torch.zip import StorageRef, TorchPickle
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads
 
 __all__ = ["MAGIC_NUMBER", "PROTOCOL_VERSION", "is_tar", "is_legacy", "read_legacy"]
@@ -63,17 +63,25 @@ class _LegacyObject(TorchPickle):
         if not (dtype is None or isinstance(dtype, DType)) or not isinstance(key, str) \
                 or type(numel) is not int or numel < 0:
             raise CorruptCheckpointError(f"{self.where}: malformed storage reference {pid!r}")
-        if self.seen.setdefault(key, (dtype, numel)) != (dtype, numel):
-            raise CorruptCheckpointError(f"{self.where}: storage {key} is referenced as {self.seen[key]} and as "
-                                         f"{(dtype, numel)}")
+        # torch.load keeps a storage as its first reference makes it, and that one's dtype and size
+        # step over its bytes in the stream; a later one that retypes it is refused by TorchPickle,
+        # naming the tensors. An empty storage is not kept there: one that gains elements later
+        # would read the next storage's bytes.
+        first_dtype, first_numel = self.seen.setdefault(key, (dtype, numel))
+        if first_numel == 0 and numel:
+            raise CorruptCheckpointError(f"{self.where}: storage {key} is referenced with 0 and then {numel} elements")
         base = 0 if self.bases is None else self.bases[key]
         if view is None:
-            return (key, dtype, base, numel)
-        item = 1 if dtype is None else dtype.itemsize
+            return StorageRef(key, dtype, base, numel)
+        item = _itemsize(dtype)
         if not (isinstance(view, tuple) and len(view) == 3 and all(type(v) is int for v in view[1:])) \
-                or view[1] < 0 or view[2] < 0 or view[1] + view[2] > numel:
+                or view[1] < 0 or view[2] < 0 or (view[1] + view[2]) * item > first_numel * _itemsize(first_dtype):
             raise CorruptCheckpointError(f"{self.where}: storage view {view!r} lies outside storage {key}")
-        return (str(view[0]), dtype, base + view[1] * item, view[2])
+        return StorageRef(str(view[0]), dtype, base + view[1] * item, view[2], root=key)
+
+
+def _itemsize(dtype: DType | None) -> int:
+    return 1 if dtype is None else dtype.itemsize
 
 
 def _expect(stream: BinaryIO, where: str, what: str, check: Any) -> Any:
@@ -122,7 +130,7 @@ def _storage_offsets(path: Path, stream: BinaryIO, keys: list[str], seen: dict[s
         if count != numel:
             raise CorruptCheckpointError(f"{path}: storage {key} holds {count} elements, the object says {numel}")
         bases[key] = at + 8
-        at += 8 + count * (1 if dtype is None else dtype.itemsize)
+        at += 8 + count * _itemsize(dtype)
         if at > size:
             raise CorruptCheckpointError(f"{path}: storage {key} runs past the end of the file (truncated?)")
     return bases

@@ -19,6 +19,7 @@ import contextlib
 import functools
 from collections import ChainMap
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from reshard import dtypes
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.safe_pickle.inert import Inert, Refused, Sealed, inert_name, is_refused
-from reshard.safe_pickle.walk import find_in, replace_in
+from reshard.safe_pickle.walk import find_in, path_to, replace_in
 from reshard.safe_pickle.value_types import VALUE_GLOBALS
 from reshard.regions import StoredRegion
 from reshard.storage import close, handle_size, open_read
@@ -37,8 +38,8 @@ from reshard.safe_pickle.unpickler import Unpickled, safe_loads, safe_loads_defe
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["read_torch_zip", "read_torch_zip_deferred", "load_object_blob", "materialize", "TorchPickle", "DTensorRef",
-           "Record", "STORAGE_DTYPES"]
+__all__ = ["read_torch_zip", "read_torch_zip_deferred", "load_object_blob", "materialize", "TorchPickle", "StorageRef",
+           "DTensorRef", "Record", "STORAGE_DTYPES"]
 
 # The storage classes torch.save names in a tensor's persistent id (the usual dtypes' tensors
 # are rebuilt from them with no dtype global of their own).
@@ -114,40 +115,144 @@ def _static_globals() -> dict[tuple[str, str], Any]:
     return table
 
 
+@dataclass(frozen=True)
+class StorageRef:
+    """A storage as a persistent id names it: ``key`` (what torch.load keeps storages by), its
+    dtype (None: untyped bytes, which torch.load types uint8), where its bytes begin in the
+    file and its element count; ``root`` is the storage it is a view of (a legacy file's
+    view_metadata), else ``key`` itself."""
+
+    key: str
+    dtype: DType | None
+    base: int
+    numel: int
+    root: str | None = None
+
+    @property
+    def typed(self) -> DType:
+        return self.dtype or _UINT8
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.typed.itemsize
+
+
+_UINT8 = dtypes.by_name("uint8")
+
+
+@dataclass(frozen=True)
+class _Retyped:
+    """A later reference typing a storage otherwise than its first reference did."""
+
+    first: StorageRef
+    ref: StorageRef
+
+
+def _is_storage(value: Any) -> bool:
+    return isinstance(value, (StorageRef, _Retyped))
+
+
 class TorchPickle:
     """The allow-list for a torch.save pickle and the tensors it rebuilds. A subclass says
-    where the pickle and the storages are (``storage``: persistent id -> (key, dtype, byte
-    offset in ``path``, element count)); every tensor view is checked against its storage."""
+    where the pickle and the storages are (``storage``: persistent id -> ``StorageRef``);
+    every tensor view is checked against its storage.
+
+    Storages are shared as torch.load shares them: the first reference to a key makes the
+    storage, its dtype and its size, and every later reference gets that one whatever it
+    says. A later reference that types the storage otherwise would be read by torch.load as
+    the first one's dtype, and a tensor that reaches past the storage as the first reference
+    sized it fails there: both are refused, naming the two tensors (``_checked``), once the
+    whole pickle is read and their names are known."""
 
     path: Path
     where: str
+    root = ""  # the name of the pickled value in errors (a DCP object's); "" for a state dict
 
-    def storage(self, pid: Any) -> tuple[str, DType | None, int, int]:
+    def storage(self, pid: Any) -> StorageRef:
         raise NotImplementedError
 
     def pickle_data(self) -> Any:
         """The pickle: bytes, or a binary file positioned at it."""
         raise NotImplementedError
 
-    def region(self, storage: tuple, offset: int, size: Any, stride: Any, dtype: DType) -> StoredRegion:
-        _key, sdtype, base, numel = storage
-        dtype = dtypes.of(dtype)  # a v3 rebuild names a torch dtype
+    def _reference(self, pid: Any) -> Any:
+        """persistent_load: the storage as torch.load would hand it out (the first reference's)."""
+        ref = self.storage(pid)
+        if not isinstance(ref, StorageRef):
+            return ref  # a legacy file's module class
+        root = ref.root or ref.key
+        if ref.nbytes:  # torch.load keeps no empty storage: each reference to one makes its own
+            self._typed.setdefault(root, ref)
+            self._made.setdefault(ref.key, ref)
+        first = self._typed.get(root, ref)
+        return self._made.get(ref.key, ref) if first.typed == ref.typed else _Retyped(first, ref)
+
+    def region(self, storage: StorageRef | _Retyped, offset: int, size: Any, stride: Any,
+               dtype: DType | None = None) -> StoredRegion:
+        """The tensor ``_rebuild_tensor_v2/v3`` makes on ``storage``; ``dtype`` None (v2): the storage's."""
+        retyped = storage if isinstance(storage, _Retyped) else None
+        ref = storage.ref if isinstance(storage, _Retyped) else storage
+        if not isinstance(ref, StorageRef):
+            raise CorruptCheckpointError(f"{self.where}: a tensor is built on a {type(ref).__name__}, not a storage")
+        dtype = ref.typed if dtype is None else dtypes.of(dtype)  # a v3 rebuild names a torch dtype
         item = dtype.itemsize
-        avail = numel * (1 if sdtype is None else sdtype.itemsize)
         size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
         if type(offset) is not int or any(s < 0 for s in size) or len(size) != len(stride) or offset < 0:
             raise CorruptCheckpointError(f"{self.where}: invalid tensor view {size}/{stride}")
-        if all(s > 0 for s in size):
+        region = StoredRegion(self.path, ref.base + offset * item, dtype, size, stride)
+        earlier = self._tensors.setdefault(ref.root or ref.key, region) if ref.nbytes else region
+        if retyped is not None:
+            first = retyped.first.typed.name
+            self._clashes.append((None if earlier is region else earlier, region,
+                                  lambda a, b: f"with different dtypes ({a} {first}, {b} {dtype.name}); torch.load "
+                                               "types a storage by its first reference"))
+        elif all(s > 0 for s in size):
             last = offset + sum((n - 1) * st for n, st in zip(size, stride))
-            if (last + 1) * item > avail:
-                raise CorruptCheckpointError(
-                    f"{self.where}: tensor of shape {size} reads past its storage ({avail} bytes)"
-                )
-        return StoredRegion(self.path, base + offset * item, dtype, size, stride)
+            if (last + 1) * item > ref.nbytes:
+                if earlier is region:
+                    raise CorruptCheckpointError(
+                        f"{self.where}: tensor of shape {size} reads past its storage ({ref.nbytes} bytes)"
+                    )
+                self._clashes.append((earlier, region, lambda a, b: f"but {b} (shape {size}) reaches past it "
+                                                                    f"({ref.nbytes} bytes, as {a} made it; torch.load "
+                                                                    "sizes a storage by its first reference)"))
+        return region
+
+    def _checked(self, value: Any) -> Any:
+        """``value``, unless a tensor read a storage otherwise than torch.load would, or a
+        storage stands alone (``tensor.untyped_storage()`` saved as such), not in a tensor."""
+        if self._clashes:
+            first, second, problem = self._clashes[0]
+            a, b = (self._name(value, t) for t in (first, second))
+            raise CorruptCheckpointError(f"{self.where}: tensors {a} and {b} share a storage {problem(a, b)}; "
+                                         "refused, as torch.save never writes this")
+        if find_in(value, _is_storage) is not None:
+            bare = path_to(value, _is_storage) or ()
+            raise UnsupportedFormatError(f"{self.where}: {self._label(bare, 'the pickled value')} is a bare storage, "
+                                         "not a tensor; reshard reads tensors: save the tensor that uses it instead")
+        return value
+
+    def _name(self, value: Any, region: StoredRegion | None) -> str:
+        if region is None:
+            return "(a bare storage before them)"
+        path = path_to(value, lambda x: x is region or (isinstance(x, DTensorRef) and x.local is region))
+        if path is None:
+            return f"(a {region.dtype.name} tensor of shape {region.shape} that the pickle drops)"
+        return self._label(path, "(the pickled tensor)")
+
+    def _label(self, path: tuple, whole: str) -> str:
+        name = ".".join(map(str, ((self.root,) if self.root else ()) + path))
+        return repr(name) if name else whole
+
+    def _fresh(self) -> None:
+        self._made: dict[str, StorageRef] = {}
+        self._typed: dict[str, StorageRef] = {}
+        self._tensors: dict[str, StoredRegion] = {}
+        self._clashes: list[tuple[StoredRegion | None, StoredRegion, Callable[[str, str], str]]] = []
 
     def globals(self) -> ChainMap:
         def v2(storage, offset, size, stride, *_rest):
-            return self.region(storage, offset, size, stride, storage[1] or dtypes.by_name("uint8"))
+            return self.region(storage, offset, size, stride)
 
         def v3(storage, offset, size, stride, _rg, _hooks, dtype, *_rest):
             return self.region(storage, offset, size, stride, dtype)
@@ -177,13 +282,17 @@ class TorchPickle:
 
     def load(self) -> Any:
         """The object, refusing at once any global that is neither listed nor allowed by the user."""
-        return safe_loads(self.pickle_data(), self.globals(), origin=self.where, persistent_load=self.storage,
-                          stand_ins=True)
+        self._fresh()
+        return self._checked(safe_loads(self.pickle_data(), self.globals(), origin=self.where,
+                                        persistent_load=self._reference, stand_ins=True))
 
     def load_deferred(self) -> Unpickled:
         """The object with placeholders where unlisted globals were (``safe_loads_deferred``)."""
-        return safe_loads_deferred(self.pickle_data(), self.globals(), origin=self.where,
-                                   persistent_load=self.storage)
+        self._fresh()
+        out = safe_loads_deferred(self.pickle_data(), self.globals(), origin=self.where,
+                                  persistent_load=self._reference)
+        self._checked(out.value)
+        return out
 
 
 class _TorchZipReader(TorchPickle):
@@ -203,8 +312,8 @@ class _TorchZipReader(TorchPickle):
         if order is not None and self.zip.read(order).strip() not in (b"little", b""):
             raise UnsupportedFormatError(f"{self.where}: big-endian torch files are not supported")
 
-    def storage(self, pid: Any) -> tuple[str, DType | None, int, int]:
-        """persistent_load: ('storage', type, key, location, numel) → (key, dtype, byte offset, numel)."""
+    def storage(self, pid: Any) -> StorageRef:
+        """('storage', type, key, location, numel) → where that storage's bytes are."""
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise CorruptCheckpointError(f"{self.where}: unexpected persistent id {pid!r}")
         _, stype, key, _location, numel = pid
@@ -219,17 +328,19 @@ class _TorchZipReader(TorchPickle):
             raise CorruptCheckpointError(
                 f"{self.where}: storage data/{key} claims {numel} elements but holds {info.size} bytes"
             )
-        return (str(key), dtype, self.start + self.zip.data_start(info), numel)
+        return StorageRef(str(key), dtype, self.start + self.zip.data_start(info), numel)
 
     def pickle_data(self) -> bytes:
         return self.zip.read(self.zip.entries[self.prefix + "data.pkl"])
 
 
-def read_torch_zip(path: Path, start: int = 0, length: int | None = None) -> Any:
-    """The object a torch.save archive holds (whole file, or a blob inside a DCP file), with
-    tensors as ``StoredRegion`` and DTensors as ``DTensorRef``. Nothing outside the
-    allow-list is called; a global outside it (and not allowed by the user) is refused."""
+def read_torch_zip(path: Path, start: int = 0, length: int | None = None, name: str = "") -> Any:
+    """The object a torch.save archive holds (whole file, or a blob inside a DCP file, whose
+    ``name`` errors use), with tensors as ``StoredRegion`` and DTensors as ``DTensorRef``.
+    Nothing outside the allow-list is called; a global outside it (and not allowed by the
+    user) is refused."""
     with _open_archive(path, start, length) as reader:
+        reader.root = name
         return reader.load()
 
 
@@ -252,9 +363,10 @@ def _open_archive(path: Path, start: int, length: int | None) -> Iterator[_Torch
         close(fd)
 
 
-def load_object_blob(path: Path, start: int, length: int, read: Callable[[StoredRegion], torch.Tensor]) -> Any:
-    """A small pickled object (a DCP byte item); tensors inside it are read eagerly."""
-    return materialize(read_torch_zip(path, start, length), read)
+def load_object_blob(path: Path, start: int, length: int, read: Callable[[StoredRegion], torch.Tensor],
+                     name: str = "") -> Any:
+    """A small pickled object (a DCP byte item named ``name``); tensors inside it are read eagerly."""
+    return materialize(read_torch_zip(path, start, length, name), read)
 
 
 def materialize(obj: Any, read: Callable[[StoredRegion], torch.Tensor]) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 from reshard.errors import UnsupportedFormatError
 
-__all__ = ["find_in", "replace_in"]
+__all__ = ["find_in", "path_to", "replace_in"]
 
 
 def _is_object_array(value: Any) -> bool:
@@ -52,6 +52,29 @@ def find_in(value: Any, match: Callable[[Any], bool]) -> Any | None:
         if inner is not None and id(item) not in seen:
             seen.add(id(item))
             stack.extend(reversed(inner))
+    return None
+
+
+def path_to(value: Any, match: Callable[[Any], bool]) -> tuple | None:
+    """The keys and indices leading from ``value`` to the first value inside it for which
+    ``match`` is true (``()`` for ``value`` itself), None when there is none. Containers
+    without keys of their own (a stand-in's arguments, a set) add no step."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        item, path = stack.pop()
+        if match(item):
+            return path
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, dict):
+            steps = [(v, path + (k,)) for k, v in item.items()]
+        elif type(item) in (list, tuple, collections.deque):
+            steps = [(v, path + (i,)) for i, v in enumerate(item)]
+        else:
+            steps = [(v, path) for v in _children(item) or ()]
+        stack.extend(reversed(steps))
     return None
 
 

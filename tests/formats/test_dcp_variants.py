@@ -292,6 +292,42 @@ def test_objects_are_read_only_when_asked_for(variants: Path, tmp_path: Path, to
     _refused(src, info.relative_path, "not on reshard's allow-list")
 
 
+def test_an_object_retyping_a_storage_is_refused(variants: Path, tmp_path: Path) -> None:
+    """A byte object whose second tensor (int16) names the first one's float32 storage, as
+    torch.save would not write it: torch's DCP reader gives the second float32 [1, 2, 3, 4];
+    reshard refuses it, naming both, plain or zstd-compressed."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.fixtures import onto, save_editing_refs
+
+    a, b = torch.tensor([1.0, 2, 3, 4]), torch.tensor([5, 6, 7, 8], dtype=torch.int16)
+    buf = io.BytesIO()
+    save_editing_refs((a, b), buf, onto(b, a))
+    for variant in ("default", "zstd"):
+        src = _copy(variants, variant, tmp_path)
+        meta = pickle.loads((src / ".metadata").read_bytes())
+        info = _info(meta, "extra.lr")
+        blob = buf.getvalue()
+        if info.transform_descriptors:
+            import zstandard
+
+            blob = zstandard.ZstdCompressor().compress(blob)
+        at = (src / info.relative_path).stat().st_size
+        with open(src / info.relative_path, "ab") as f:
+            f.write(blob)
+        info.offset, info.length = at, len(blob)
+        (src / ".metadata").write_bytes(pickle.dumps(meta))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp_to_torch_save(src, tmp_path / f"{variant}.pt")
+        theirs = torch.load(tmp_path / f"{variant}.pt", weights_only=True)["extra"]["lr"]
+        assert theirs[1].dtype == torch.float32 and theirs[1].tolist() == [1, 2, 3, 4]
+        _refused(src, "tensors 'extra.lr.0' and 'extra.lr.1' share a storage with different dtypes ('extra.lr.0' "
+                      "float32, 'extra.lr.1' int16)")
+
+
 # ------------------------------------------------------- use_collectives=False, edited
 
 

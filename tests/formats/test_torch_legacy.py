@@ -99,6 +99,33 @@ def test_storage_views_follow_view_metadata(tmp_path: Path) -> None:
         TorchSaveFormat().read(out_of_bounds)
 
 
+def test_a_storage_retyped_by_a_later_reference_is_refused(tmp_path: Path) -> None:
+    """As in zip files: torch.load types a storage by its first reference, so 'b' (uint8) on
+    'a''s float32 storage is float32 [1, 2, 3, 4] to torch; reshard read it as uint8 [0, 0, 128,
+    63] and refused the file only for its element count. Refused now, naming both tensors."""
+    floats = torch.tensor([1.0, 2, 3, 4])
+    sa, sb = _ViewStorage(), _ViewStorage()
+    obj = {"a": _Tensor(sa, 0, torch.Size([4]), (1,), False, collections.OrderedDict()),
+           "b": _Tensor(sb, 0, torch.Size([4]), (1,), False, collections.OrderedDict())}
+    types = {id(sa): (torch.FloatStorage, 4), id(sb): (torch.ByteStorage, 16)}
+    src = _raw_legacy(tmp_path / "retyped.pt", obj, {"k": (4, floats.numpy().tobytes())},
+                      lambda o: ("storage", *types[id(o)][:1], "k", "cpu", types[id(o)][1], None) if id(o) in types
+                      else None)
+    theirs = torch.load(src, weights_only=False)  # our own file: torch's reader as the oracle
+    assert theirs["b"].dtype == torch.float32 and theirs["b"].tolist() == [1, 2, 3, 4]
+    with pytest.raises(CorruptCheckpointError, match=r"retyped\.pt: tensors 'a' and 'b' share a storage with "
+                                                     r"different dtypes \('a' float32, 'b' uint8\)"):
+        TorchSaveFormat().read(src)
+    # 'b' on a storage first referenced empty: torch.load hands it uninitialized memory, and here
+    # it would read the bytes of the next storage in the stream.
+    obj["a"] = _Tensor(sa, 0, torch.Size([0]), (1,), False, collections.OrderedDict())
+    empty_first = _raw_legacy(tmp_path / "empty_first.pt", obj, {"k": (0, b"")},
+                              lambda o: ("storage", torch.FloatStorage, "k", "cpu", 0 if o is sa else 4, None)
+                              if id(o) in types else None)
+    with pytest.raises(CorruptCheckpointError, match=r"empty_first\.pt: storage k is referenced with 0 and then 4"):
+        TorchSaveFormat().read(empty_first)
+
+
 def test_broken_and_older_layouts_are_refused(tmp_path: Path) -> None:
     data = bytearray(_legacy({"w": torch.ones(4), "b": torch.zeros(2)}, tmp_path / "ok.pt").read_bytes())
     count_at = data.index((2).to_bytes(8, "little") + bytes(8))  # the header of "b"'s storage (2 elements)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import shutil
 import zipfile
 from collections import OrderedDict
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import reshard
 from reshard.boxes import Box
@@ -24,9 +26,10 @@ from reshard.formats.torch.zip import DTensorRef, Record
 from reshard.plan import full_target
 from reshard.regions import StoredRegion
 from tests.dist import run_world
-from tests.fixtures import TinyNet, full_tensor
+from tests.fixtures import TinyNet, full_tensor, onto, save_editing_refs
 from tests.formats.test_dcp import _Evil
 from tests.formats.test_torch_zip import _write
+from tests.test_cli import assert_one_line_error, reshard as cli
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -197,6 +200,95 @@ def test_broken_files_are_corrupt(tmp_path: Path) -> None:
             TorchSaveFormat().read(tmp_path / name)
 
 
+# ---------------------------------------------------------------------------------- shared storages
+
+
+def test_tensors_sharing_a_storage_read_as_torch_reads_them(tmp_path: Path) -> None:
+    """What torch.save writes for tensors on one storage: tied weights, views, float8 and
+    uint16 views of a uint8 storage (v3 tensors on the untyped storage beside a ByteStorage
+    reference), empty views of other dtypes (torch keeps no empty storage)."""
+    w, raw, empty = torch.randn(3, 4), torch.arange(8, dtype=torch.uint8), torch.empty(0)
+    value = {"w": w, "tied": w, "row": w[1], "t": w.t(), "u8": raw, "f8": raw.view(torch.float8_e4m3fn),
+             "u16": raw[2:].view(torch.uint16), "e": empty, "e8": empty.view(torch.uint8)}
+    torch.save(value, tmp_path / "shared.pt")
+    theirs = torch.load(tmp_path / "shared.pt", weights_only=True)
+    cat = TorchSaveFormat().read(tmp_path / "shared.pt")
+    assert list(cat.tensors) == list(value)
+    for name, want in theirs.items():
+        _same(full_tensor(cat.tensors[name]), want, name)
+
+
+def test_a_storage_retyped_by_a_later_reference_is_refused(tmp_path: Path) -> None:
+    """torch.load types a storage by its first reference: in a file where 'b' (uint8) names
+    the storage of 'a' (float32), torch reads 'b' as float32 [1, 2, 3, 4], or fails when 'b'
+    is longer than that storage. reshard read 'b' as uint8 [0, 0, 128, 63], converted it with
+    exit 0 and verified it "equal"; every reader now refuses the file, naming both tensors."""
+    a = torch.tensor([1.0, 2, 3, 4])
+    b, longer = torch.tensor([0, 0, 128, 63], dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+    src, long_src = tmp_path / "m.pt", tmp_path / "long.pt"
+    save_editing_refs({"a": a, "b": b}, src, onto(b, a))
+    save_editing_refs({"a": a, "b": longer}, long_src, onto(longer, a))
+    theirs = torch.load(src, weights_only=True)
+    assert theirs["b"].dtype == torch.float32 and theirs["b"].tolist() == [1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="resize"):
+        torch.load(long_src, weights_only=True)
+    message = "tensors 'a' and 'b' share a storage with different dtypes ('a' float32, 'b' uint8)"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"long.pt: {message}")):
+        reshard.inspect(long_src)
+    folder = tmp_path / "bin"  # an HF folder of .bin weights
+    folder.mkdir()
+    shutil.copy(src, folder / "pytorch_model.bin")
+    assert detect_format(folder).name == "hf-bin"
+    with pytest.raises(CorruptCheckpointError, match=re.escape(f"pytorch_model.bin: {message}")):
+        reshard.inspect(folder)
+    save_file({"a": a, "b": b}, tmp_path / "before.safetensors")  # what reshard made of m.pt
+    out = tmp_path / "out"
+    out.mkdir()
+    for args in (["convert", src, out / "m.safetensors"], ["convert", src, out / "m2.pt"],
+                 ["convert", src, out / "m_dcp", "--to", "dcp"], ["verify", src, tmp_path / "before.safetensors"]):
+        assert_one_line_error(cli(*args), f"m.pt: {message}")
+    assert list(out.iterdir()) == []
+
+
+def test_a_tensor_past_its_storage_as_first_referenced_is_refused(tmp_path: Path) -> None:
+    """A storage's size is its first reference's too: 'a' claims 2 elements of the 4 stored,
+    so 'b' (all 4) fails in torch.load (the record's size does not match, or with mmap the
+    storage cannot grow); reshard read 'b' whole. A claim past the record itself is refused
+    as before."""
+    base = torch.tensor([1.0, 2, 3, 4])
+
+    def claims(*numels: int):
+        refs: list[tuple] = []
+
+        def edit(pid: tuple, ptr: int, keys: dict) -> tuple:
+            refs.append(pid)
+            return (*pid[:4], numels[len(refs) - 1])
+        return edit
+
+    src = tmp_path / "short.pt"
+    save_editing_refs({"a": base[:2], "b": base}, src, claims(2, 4))
+    with pytest.raises(RuntimeError, match="does not match expected size"):
+        torch.load(src, weights_only=True)
+    with pytest.raises(RuntimeError, match="resize"):
+        torch.load(src, weights_only=True, mmap=True)
+    with pytest.raises(CorruptCheckpointError, match=re.escape(
+            "short.pt: tensors 'a' and 'b' share a storage but 'b' (shape (4,)) reaches past it (8 bytes, as 'a' "
+            "made it")):
+        reshard.inspect(src)
+    save_editing_refs({"a": base[:2], "b": base}, src, claims(4, 8))
+    with pytest.raises(CorruptCheckpointError, match=r"short\.pt: storage data/0 claims 8 elements but holds 16 bytes"):
+        reshard.inspect(src)
+
+
+def test_a_bare_storage_is_refused(tmp_path: Path) -> None:
+    """A storage saved by itself (not a tensor) was read as reshard's internal tuple and written
+    out as that; it is refused, named."""
+    torch.save({"w": torch.ones(2), "s": torch.arange(3.0).untyped_storage()}, tmp_path / "bare.pt")
+    assert isinstance(torch.load(tmp_path / "bare.pt", weights_only=True)["s"], torch.storage.TypedStorage)
+    with pytest.raises(UnsupportedFormatError, match=r"bare\.pt: 's' is a bare storage, not a tensor"):
+        reshard.inspect(tmp_path / "bare.pt")
+
+
 # ---------------------------------------------------------------------------------- rank files
 
 
@@ -255,6 +347,10 @@ def _save_worker(rank: int, world_size: int, out: str) -> None:
     if rank == 1:
         torch.save({"w": single}, root / "one_rank.pt")
     ref.update(_save_verl(root / "verl", rank, world_size, mesh))
+    # Rank files in which 'b' (int16) names the storage of 'a' (float32), as torch.save would not write them.
+    a, b = torch.tensor([1.0, 2, 3, 4]), torch.tensor([5, 6, 7, 8], dtype=torch.int16)
+    w = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    save_editing_refs({"w": w, "a": a, "b": b}, root / "retyped" / f"rank{rank}.pt", onto(b, a))
     if rank == 0:
         torch.save(ref, root / "ref.pt")
     dist.barrier()
@@ -296,7 +392,7 @@ def _save_verl(folder: Path, rank: int, world_size: int, mesh) -> dict[str, torc
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     """One 4-rank gloo world for every multi-rank check (ranks are slow to start)."""
     root = tmp_path_factory.mktemp("ranks")
-    for sub in ("fsdp", "hsdp", "partial", "verl"):
+    for sub in ("fsdp", "hsdp", "partial", "verl", "retyped"):
         (root / sub).mkdir()
     run_world(_save_worker, 4, str(root), timeout=240)
     return root, torch.load(root / "ref.pt", weights_only=True)
@@ -384,6 +480,15 @@ def test_unplaceable_dtensors_are_refused(saved, tmp_path: Path, monkeypatch) ->
             (folder / f"rank{r}.pt").write_bytes(b"")
         with pytest.raises(UnsupportedFormatError, match=message):
             TorchRanksFormat().read(folder)
+
+
+def test_rank_files_retyping_a_storage_are_refused(saved) -> None:
+    root, _ = saved
+    theirs = torch.load(root / "retyped" / "rank1.pt", weights_only=False)  # a DTensor inside: our own fixture
+    assert theirs["b"].dtype == torch.float32 and theirs["b"].tolist() == [1, 2, 3, 4]
+    with pytest.raises(CorruptCheckpointError, match=re.escape("tensors 'a' and 'b' share a storage with different "
+                                                               "dtypes ('a' float32, 'b' int16)")):
+        TorchRanksFormat().read(root / "retyped")
 
 
 def test_rank_file_names_and_detection(tmp_path: Path) -> None:
