@@ -113,7 +113,15 @@ def _source_files(path: Path) -> tuple[Path | None, dict[Path, set[str] | None]]
     main = path / INDEX_NAME
     indexes = [main] if main.is_file() else sorted(p for p in path.glob("*.safetensors.index.json") if p.is_file())
     if indexes:
-        return path, dict(_indexed_files(path, indexes))
+        files = dict(_indexed_files(path, indexes))
+        single = path / "model.safetensors"
+        if main.is_file() and single.is_file() and single not in files:
+            # transformers loads model.safetensors before looking for an index: which one is
+            # the model is not ours to guess.
+            raise CorruptCheckpointError(f"{path}: holds both model.safetensors and {INDEX_NAME} naming other files; "
+                                         "transformers would load model.safetensors and ignore the index: remove the "
+                                         "one that does not belong")
+        return path, files
     files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if not files:
         raise CheckpointNotFoundError(f"{path}: no *.safetensors file or index in this folder")

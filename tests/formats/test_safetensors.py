@@ -74,6 +74,21 @@ def test_reads_hub_sharded_folder(tmp_path: Path) -> None:
     assert_catalog_holds(FMT.read(tmp_path / INDEX_NAME), ref)
 
 
+def test_model_safetensors_beside_an_index_of_other_files_is_refused(tmp_path: Path) -> None:
+    """transformers loads model.safetensors before it looks for an index; reading the index
+    instead would convert other weights than the folder loads as."""
+    save_torch_state_dict(reference(), tmp_path, max_shard_size=200)
+    save_file({"other": torch.ones(2)}, tmp_path / "model.safetensors")
+    with pytest.raises(CorruptCheckpointError, match="holds both model.safetensors and model.safetensors.index.json "
+                                                     "naming other files; transformers would load model.safetensors"):
+        FMT.read(tmp_path)
+    # An index that names model.safetensors itself is one consistent set.
+    (tmp_path / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": {"other": "model.safetensors"}}))
+    for shard in tmp_path.glob("model-*.safetensors"):
+        shard.unlink()
+    assert_catalog_holds(FMT.read(tmp_path), {"other": torch.ones(2)})
+
+
 def test_folder_without_index_reads_every_file(tmp_path: Path) -> None:
     save_file({"a": torch.ones(2)}, tmp_path / "one.safetensors")
     save_file({"b": torch.zeros(3)}, tmp_path / "two.safetensors")
