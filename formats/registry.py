@@ -59,7 +59,8 @@ FORMATS: list[FormatEntry] = [
                 suffixes=(".pt", ".pth", ".bin"), default_suffix=".pt", remote=True),
     # A write target only (an HF model folder); HF folders are detected as safetensors.
     FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True,
-                options=("max_shard_size", "hf_assets", "weights_only", "architecture_check"), remote=True),
+                options=("max_shard_size", "hf_assets", "weights_only", "architecture_check", "merge_lora", "quantize"),
+                remote=True),
 ]
 _cache: dict[str, Format] = {}
 

@@ -234,6 +234,9 @@ def convert(
     hf_assets: Annotated[Optional[str], typer.Option("--hf-assets", help="With --to {takes:hf_assets}: copy the tokenizer, chat template and generation config of this folder or Hub repo id.")] = None,
     weights_only: Annotated[bool, typer.Option("--weights-only", help="With --to {takes:weights_only}: write the safetensors only, without config.json (not loadable by from_pretrained as is).")] = False,
     no_architecture_check: Annotated[bool, typer.Option("--no-architecture-check", help="With --to {takes:architecture_check}: write the export even if it is not the model its config.json describes (the model card says it was not checked).")] = False,
+    merge_lora: Annotated[Optional[str], typer.Option("--merge-lora", metavar="ADAPTER", help="With --to {takes:merge_lora}: merge this PEFT LoRA adapter (folder or Hub repo id) into the weights, W + scaling * (B @ A) in float32, streamed.")] = None,
+    keep_dtype: Annotated[Optional[list[str]], typer.Option("--keep-dtype", metavar="REGEX", help="With --dtype or --quantize: tensors whose output name matches this regex keep their source dtype (repeatable).")] = None,
+    quantize: Annotated[Optional[str], typer.Option("--quantize", metavar="fp8", help="With --to {takes:quantize}: store linear weights as float8_e4m3fn with float32 scales per 128x128 block (DeepSeek-V3's format, for vLLM, SGLang, transformers).")] = None,
     max_memory: MaxMemory = "1GiB",
     max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest file of an output ({takes:max_shard_size}; HF-style shards: default 5GB for hf).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and check everything, print what would be written, write nothing.")] = False,
@@ -259,7 +262,8 @@ def convert(
     options = ConvertOptions(
         to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only, exclude=exclude, keymap=keymap,
         layout=layout, config=config, hf_assets=hf_assets, weights_only=weights_only,
-        architecture_check=not no_architecture_check, max_memory=max_memory,
+        architecture_check=not no_architecture_check, merge_lora=merge_lora, keep_dtype=keep_dtype, quantize=quantize,
+        max_memory=max_memory,
         max_shard_size=max_shard_size, compress=compress, keep_per_rank=keep_per_rank, overwrite=overwrite,
         quiet=quiet or as_json, fsync=fsync, dry_run=dry_run)
     with torchrun_group() as rank:  # under torchrun the ranks split the work; rank 0 reports

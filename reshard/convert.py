@@ -24,7 +24,7 @@ from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
 from reshard.parallel import Workers, current_workers, split_files, world
 from reshard.mesh.placements import load_placement_plan
-from reshard.plan import Plan, full_target, make_plan, model_section
+from reshard.plan import DtypeKeep, Plan, full_target, make_plan, model_section
 from reshard.log import log_notices
 from reshard.sizes import format_size, preview
 from reshard.sources import local_path, resolve_source
@@ -299,7 +299,11 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
         raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")
     # Before an HF export reads anything: the options only it takes.
     _refuse_options_not_taken(to, opts, [n for n in opts.format_options_set()
-                                         if n in ("hf_assets", "weights_only", "architecture_check")])
+                                         if n in ("hf_assets", "weights_only", "architecture_check", "merge_lora", "quantize")])
+    keep = DtypeKeep(opts.keep_dtype)
+    if keep.patterns and dtype is None and opts.quantize is None:
+        raise UsageError(f"{option('--keep-dtype', 'keep_dtype=')} applies with {option('--dtype', 'dtype=')} "
+                         f"or {option('--quantize', 'quantize=')} (nothing is cast otherwise)")
     if layout is not None:
         detect_layout(catalog, layout)  # an unknown name is a usage error now, not after the keymap
         catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout, "layout_given": True})
@@ -314,7 +318,8 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
 
         catalog = replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config), "hf_config_given": True})
     catalog = excluded(catalog, opts.exclude)
-    if dtype is not None:  # FP8 / MXFP4 weights: dequantized with their scales, never cast without them
+    if dtype is not None or opts.merge_lora is not None or opts.quantize is not None:
+        # FP8 / MXFP4 weights: dequantized with their scales, never cast or computed on without them
         from reshard.quant import dequantized
 
         catalog = dequantized(catalog)
@@ -328,10 +333,23 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
         catalog = export_catalog(catalog, max_memory=opts.budget,
                                  assets=None if opts.hf_assets is None else str(opts.hf_assets),
                                  weights_only=opts.weights_only)
+        if opts.merge_lora is not None:  # W + scaling * (B @ A), computed as the weights stream (reshard.lora)
+            from reshard.lora import merged
+
+            catalog = merged(catalog, opts.merge_lora)
+        if opts.quantize is not None:  # FP8 values and scales, computed as they stream (reshard.quantize)
+            from reshard.quantize import quantized
+
+            plain = catalog.tensors
+            catalog = quantized(catalog, opts.quantize, keep)
+            keep = DtypeKeep(keep.patterns, fixed=[n for n, t in catalog.tensors.items() if plain.get(n) is not t])
     else:  # an HF source's config.json travels as objects, for a later --to hf
         from reshard.provenance import carry_hf_configs
 
         carry_hf_configs(catalog)
+    if keep.patterns and not any(keep(n) for n in catalog.tensors):
+        raise UsageError(f"{option('--keep-dtype ' + ' '.join(keep.patterns), f'keep_dtype={list(keep.patterns)!r}')} "
+                         f"matches no tensor of the output; try `reshard inspect` for names")
     spec = parse_mesh(mesh) if mesh is not None else None
     conventions = detect_layout(catalog, refuse_ambiguous=decides)
     if spec is None:
@@ -343,11 +361,11 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
         if only == "model" and to in ("torch", "safetensors"):  # a file of the model's own state dict
             catalog, only = model_section(catalog, conventions), None
             conventions = detect_layout(catalog, "model")
-        return catalog, to, full_target(catalog, dtype=parse_dtype(dtype), only=only, layout=conventions), None
+        return catalog, to, full_target(catalog, dtype=parse_dtype(dtype), only=only, layout=conventions, keep=keep), None
     if to not in _MESH_FORMATS:
         raise UsageError(f"--to {to} holds whole tensors; --to-mesh lays out dcp, torch (one file per rank) or zarr")
     target = mesh_target(catalog, spec, load_placement_plan(placements, spec), dtype=parse_dtype(dtype),
-                         only=only, keep_per_rank=opts.keep_per_rank, layout=conventions)
+                         only=only, keep_per_rank=opts.keep_per_rank, layout=conventions, keep=keep)
     return catalog, _MESH_FORMATS[to], target, spec
 
 

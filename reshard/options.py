@@ -25,6 +25,8 @@ FORMAT_OPTIONS = {
     "hf_assets": ("--hf-assets", "hf_assets="),
     "weights_only": ("--weights-only", "weights_only=True"),
     "architecture_check": ("--no-architecture-check", "architecture_check=False"),
+    "merge_lora": ("--merge-lora", "merge_lora="),
+    "quantize": ("--quantize", "quantize="),
 }
 
 
@@ -42,6 +44,9 @@ class ConvertOptions:
     hf_assets: str | os.PathLike | None = None  # tokenizer and friends for to="hf"
     weights_only: bool = False  # to="hf" without config.json
     architecture_check: bool = True  # to="hf": refuse an export that is not the model its config.json describes
+    merge_lora: str | os.PathLike | None = None  # to="hf": a PEFT LoRA adapter folder or repo id, merged in
+    keep_dtype: str | tuple[str, ...] | list[str] | None = None  # regexes of output names dtype= leaves alone
+    quantize: str | None = None  # to="hf": "fp8" (block-scaled float8_e4m3fn, DeepSeek-V3's format)
     max_memory: str | int = "1GiB"  # the budget for tensor data in flight
     max_shard_size: str | int | None = None  # largest output file (safetensors, hf, zarr)
     compress: bool = False  # zstd zarr chunks

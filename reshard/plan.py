@@ -8,7 +8,7 @@ the engine only executes it.
 
 from __future__ import annotations
 
-
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
@@ -24,7 +24,7 @@ from reshard.pieces import OutputFile, Piece
 from reshard.storage import RemotePath
 from reshard.structure import CONTAINERS_ATTR
 
-__all__ = ["Plan", "PieceSources", "Source", "Casting", "full_target", "make_plan", "model_section", "select", "sources_for"]
+__all__ = ["Plan", "PieceSources", "Source", "Casting", "DtypeKeep", "full_target", "make_plan", "model_section", "select", "sources_for"]
 
 
 @dataclass(frozen=True)
@@ -114,13 +114,40 @@ def select(catalog: Catalog, only: str | None, layout: Layout | None = None) -> 
     return tensors, objects
 
 
+class DtypeKeep:
+    """Tensors ``--dtype`` leaves in their own dtype: those whose output name matches a
+    ``--keep-dtype`` regex (``re.search``), and ``fixed`` names whose dtype is decided already
+    (FP8 values and their scales, ``reshard.quantize``)."""
+
+    def __init__(self, patterns: str | list[str] | tuple[str, ...] | None = None, fixed: Iterable[str] = ()) -> None:
+        self.patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns or ())
+        try:
+            self._compiled = [re.compile(p) for p in self.patterns]
+        except re.error as e:
+            raise UsageError(f"{option('--keep-dtype', 'keep_dtype=')} {e.pattern!r} is not a regular expression: {e}") from None
+        self.fixed = frozenset(fixed)
+        self.kept: list[str] = []  # names --keep-dtype kept from a cast, in order
+
+    def __call__(self, name: str) -> bool:
+        """Whether ``--keep-dtype`` names ``name``."""
+        return any(p.search(name) for p in self._compiled)
+
+    def notice(self) -> list[str]:
+        if not self.kept:
+            return []
+        shown = ", ".join(self.kept[:5]) + (f" and {len(self.kept) - 5} more" if len(self.kept) > 5 else "")
+        return [f"kept {len(self.kept)} tensors in their source dtype ({option('--keep-dtype', 'keep_dtype=')} "
+                f"{' '.join(self.patterns)}): {shown}"]
+
+
 class Casting:
     """``--dtype`` for one catalog: parameters and their moments (the optimizer tensors shaped
     like their parameter) are cast; every other optimizer value (``step``, NAdam's
-    ``mu_product`` whatever its shape), integer tensors and non-model state are not."""
+    ``mu_product`` whatever its shape), integer tensors and non-model state are not, nor what
+    ``keep`` names."""
 
-    def __init__(self, catalog: Catalog, to: DType | None, layout: Layout) -> None:
-        self.to, self.layout = to, layout
+    def __init__(self, catalog: Catalog, to: DType | None, layout: Layout, keep: DtypeKeep | None = None) -> None:
+        self.to, self.layout, self.keep = to, layout, keep
         self.param_shapes = layout.param_shapes(catalog.tensors) if to is not None else {}
         self.cast: dict[str, int] = {}  # role -> tensors cast
         self.kept: dict[str, int] = {}  # role -> floating tensors left in their dtype
@@ -128,6 +155,10 @@ class Casting:
 
     def dtype(self, name: str, entry: TensorEntry) -> DType:
         if self.to is None or not entry.dtype.is_floating_point:
+            return entry.dtype
+        if self.keep is not None and (name in self.keep.fixed or self.keep(name)):
+            if name not in self.keep.fixed and entry.dtype != self.to:
+                self.keep.kept.append(name)
             return entry.dtype
         casts = self.layout.casts(name, entry.shape, self.param_shapes)
         tally = self.cast if casts else self.kept
@@ -148,13 +179,14 @@ class Casting:
 
         to = str(self.to).removeprefix("torch.")
         line = f"cast to {to} under layout {self.layout.name}: {words(self.cast)}"
+        keep = self.keep.notice() if self.keep else []
         if not self.kept:
-            return [line]
+            return [line, *keep]
         names = sorted(self.kept_names, key=lambda n: self.layout.place(n).key == "step")
         more = len(names) - _NAMED
         named = ", ".join(names[:_NAMED]) + (f" and {more} more" if more > 0 else "")
         return [f"{line}; kept as saved: {words(self.kept)} ({named}; optimizer steps, optimizer values not shaped "
-                "like their parameter, state that is neither model nor optimizer)"]
+                "like their parameter, state that is neither model nor optimizer)", *keep]
 
 
 _NAMED = 3  # tensors a --dtype notice names of those it left as saved
@@ -165,11 +197,12 @@ _ROLE_WORDS = {"param": "parameters", "optim_state": "optimizer tensors", "optim
 
 
 def full_target(catalog: Catalog, *, dtype: DType | None = None, only: str | None = None,
-                layout: Layout | None = None) -> Target:
-    """Every selected tensor stored whole, in one box, in the file of rank 0."""
+                layout: Layout | None = None, keep: DtypeKeep | None = None) -> Target:
+    """Every selected tensor stored whole, in one box, in the file of rank 0; ``keep``: what
+    ``dtype`` leaves alone."""
     layout = layout or detect_layout(catalog)
     tensors, objects = select(catalog, only, layout)
-    casting = Casting(catalog, dtype, layout)
+    casting = Casting(catalog, dtype, layout, keep)
     out = {}
     for name in tensors:
         t = catalog.tensors[name]

@@ -27,7 +27,7 @@ from reshard.storage import close, open_read, pread_into
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StoredRegion", "as_tensor", "as_array", "read_exact", "c_strides", "as_region", "bytes_of_run", "array_run", "read_in_place", "fill_in_bands", "BAND_BYTES"]
+__all__ = ["StoredRegion", "as_tensor", "as_array", "read_exact", "c_strides", "as_region", "bytes_of_run", "array_run", "read_in_place", "fill_in_bands", "BAND_BYTES", "Banded"]
 
 _MIN_SPAN = 1 << 16  # a strided read may always span this much: fewer, larger reads of small boxes
 
@@ -229,6 +229,27 @@ def fill_in_bands(out: torch.Tensor, box: Box, itemsize: int, band_bytes: int,
         flat[at: at + n].view(sub.sizes).copy_(band(sub))
         at += n
     return out
+
+
+class Banded:
+    """Chunk data whose values are computed (``_band(box)``: a float32 tensor, or already in
+    ``out_dtype``) a band of rows at a time, so no temporary is as large as the box asked:
+    ``read_into`` takes the engine's slab buffer (any dtype, rounded into once)."""
+
+    out_dtype = "float32"  # what ``read`` returns
+
+    def _band(self, box: Box) -> torch.Tensor:
+        raise NotImplementedError
+
+    def read(self, box: Box) -> torch.Tensor:
+        import torch
+
+        out = torch.empty(box.sizes, dtype=getattr(torch, self.out_dtype))
+        self.read_into(box, out)
+        return out
+
+    def read_into(self, box: Box, out: torch.Tensor) -> None:
+        fill_in_bands(out, box, 4, BAND_BYTES, self._band)
 
 
 def as_region(data: object) -> StoredRegion | None:

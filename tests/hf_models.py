@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["save_tiny_llama", "hf_logits", "TOKENS", "assert_checked", "assert_refused_without_keymap"]
+__all__ = ["save_tiny_llama", "hf_logits", "save_lora_adapter", "peft_merged", "TOKENS", "assert_checked",
+           "assert_refused_without_keymap"]
 
 # Every test compares logits on the same batch: 2 sequences of 10 tokens of a 64-token vocab.
 TOKENS = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(7))
@@ -55,3 +57,25 @@ def assert_refused_without_keymap(src: Path, config: Path, tmp: Path) -> None:
     shutil.copy(config, raw / "config.json")
     assert_one_line_error(reshard("push", raw, "someone/model", "--dry-run"), "its config.json describes", "tensors missing",
                           "tensors it does not have")
+
+
+def save_lora_adapter(base: Path, folder: Path, *, seed: int = 1, **lora: Any) -> Path:
+    """A PEFT LoRA adapter of the model saved at ``base``, written by PEFT's ``save_pretrained``
+    with non-zero B (``init_lora_weights=False``) so merging changes every targeted weight."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(LlamaForCausalLM.from_pretrained(base), LoraConfig(init_lora_weights=False, **lora))
+    model.save_pretrained(folder)
+    return folder
+
+
+def peft_merged(base: Path, adapter: Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """PEFT's own merge: ``merge_and_unload().state_dict()`` and the merged model's logits."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), adapter).merge_and_unload().eval()
+    with torch.no_grad():
+        return {k: v.clone() for k, v in model.state_dict().items()}, model(TOKENS).logits

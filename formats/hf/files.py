@@ -23,7 +23,7 @@ from reshard.dtypes import DType
 from reshard.errors import UnsupportedFormatError
 
 __all__ = ["llama_config", "generation_config", "with_dtype", "model_card", "write_json", "compute_dtype", "export_config",
-           "ASSET_FILES", "load_config", "find_assets"]
+           "ASSET_FILES", "load_config", "find_assets", "read_json"]
 
 # What an HF model folder holds beside its weights and config.json that users need to run
 # the model: tokenizers (fast and sentencepiece), chat templates, generation defaults.
@@ -35,7 +35,7 @@ ASSET_FILES = (
 _MAX_JSON = 100_000_000
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json(path: Path, what: str) -> dict[str, Any]:
     from reshard.errors import CorruptCheckpointError, UsageError
 
     if not path.is_file():
@@ -58,10 +58,10 @@ def load_config(spec: str | Path) -> dict[str, Any]:
 
     path = Path(spec)
     if path.is_file():
-        return _read_json(path, "config.json")
+        return read_json(path, "config.json")
     if path.is_dir():
-        return _read_json(path / "config.json", "config.json")
-    return _read_json(hub_files(str(spec), ["config.json"], what="--config") / "config.json", "config.json")
+        return read_json(path / "config.json", "config.json")
+    return read_json(hub_files(str(spec), ["config.json"], what="--config") / "config.json", "config.json")
 
 
 def find_assets(spec: str | Path) -> dict[str, Path]:
@@ -133,8 +133,8 @@ def compute_dtype(target: Target) -> DType | None:
     from reshard.architecture import COMPUTE_DTYPES
 
     counts: Counter[DType] = Counter()
-    for t in target.tensors.values():
-        if t.dtype in COMPUTE_DTYPES:
+    for name, t in target.tensors.items():  # FP8 scales (float32) are no compute tensors either
+        if t.dtype in COMPUTE_DTYPES and not name.endswith("_scale_inv"):
             counts[t.dtype] += t.nbytes
     return counts.most_common(1)[0][0] if counts else None
 

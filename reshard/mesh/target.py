@@ -16,7 +16,7 @@ from reshard.dtypes import DType
 from reshard.errors import option
 from reshard.mesh.sharding import MeshSpec, format_placement, mesh_shards
 from reshard.mesh.placements import PlacementPlan, assign_placements
-from reshard.plan import Casting, select
+from reshard.plan import Casting, DtypeKeep, select
 
 __all__ = ["mesh_target", "per_rank_names", "uneven_dims"]
 
@@ -42,7 +42,7 @@ def uneven_dims(shape: tuple[int, ...], placements: tuple, mesh: MeshSpec) -> li
 
 def mesh_target(
     catalog: Catalog, mesh: MeshSpec, plan: PlacementPlan, *, dtype: DType | None = None,
-    only: str | None = None, keep_per_rank: bool = False, layout: Layout | None = None,
+    only: str | None = None, keep_per_rank: bool = False, layout: Layout | None = None, keep: DtypeKeep | None = None,
 ) -> Target:
     layout = layout or detect_layout(catalog)
     names, objects = select(catalog, only, layout)
@@ -62,7 +62,7 @@ def mesh_target(
             names = [n for n in names if n not in private]
             objects = [n for n in objects if n not in private]
     placements = assign_placements(plan, mesh, {n: catalog.tensors[n].shape for n in names}, layout)
-    casting = Casting(catalog, dtype, layout)
+    casting = Casting(catalog, dtype, layout, keep)
     load = [0] * mesh.world_size
     tensors = {}
     for name in names:

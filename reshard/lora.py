@@ -1,0 +1,316 @@
+"""``--merge-lora``: a PEFT LoRA adapter merged into its base model while streaming.
+
+A merged weight is ``W + scaling * (B @ A)``, computed in float32 for whatever box the engine
+asks (the box's rows of ``W`` and ``B``, the columns of ``A`` it needs; never the whole
+weight) and cast once to the output dtype. The rules are PEFT's (peft/tuners/lora/layer.py,
+``get_delta_weight`` of ``Linear`` and ``Embedding``; peft/tuners/lora/model.py for the
+patterns):
+
+* ``scaling = lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with ``use_rslora``; ``r`` and
+  ``lora_alpha`` per module from ``rank_pattern`` / ``alpha_pattern`` (a key matches a module
+  name it ends with at a ``.`` boundary, as regex: ``peft.utils.other.get_pattern_key``);
+* ``fan_in_fan_out`` (GPT-2's ``Conv1D``, weights stored ``[in, out]``) and embedding
+  adapters (``lora_embedding_A`` ``[r, vocab]``, ``lora_embedding_B`` ``[dim, r]``) add the
+  transpose: ``(B @ A).T``;
+* tensors the adapter saves whole replace the base's: ``modules_to_save`` modules and the
+  ``base_layer`` weights PEFT saves beside embedding adapters; LoRA then merges on top;
+* a model whose config ties the output head to the embedding keeps one tensor: a delta for
+  ``lm_head`` lands on the embedding, as it does on PEFT's shared parameter.
+
+What PEFT's plain merge would not give (DoRA, LoRA biases, other adapter types, aLoRA, layer
+replication, trainable tokens, conv layers) and adapters that do not fit the base (a module
+the base lacks, shapes that differ) are refused, naming the module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from reshard.boxes import Box, full_box
+from reshard.catalog import Catalog, Chunk, TensorEntry
+from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError, option
+from reshard.keymap.chunks import read_box
+from reshard.regions import Banded
+from reshard.sizes import preview
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Adapter", "LoraModule", "read_adapter", "merged", "float32_box"]
+
+CONFIG = "adapter_config.json"
+WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_PREFIX = "base_model.model."
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+# adapter_config.json keys whose truthy value means a merge PEFT's plain LoRA rule does not give.
+_REFUSED_KEYS = {
+    "use_dora": "DoRA (weight-decomposed LoRA: its magnitude vectors rescale each merged row)",
+    "lora_bias": "LoRA biases (lora_bias)",
+    "layer_replication": "layer replication (layer_replication)",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
+    "trainable_token_indices": "trainable tokens (trainable_token_indices)",
+    "target_parameters": "LoRA on parameters (target_parameters)",
+    "use_qalora": "QA-LoRA (use_qalora)",
+    "use_bdlora": "BD-LoRA (use_bdlora)",
+}
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted module: ``A`` ``[r, in]``, ``B`` ``[out, r]``, its scaling, and whether the
+    delta is ``(B @ A).T`` (embeddings, ``fan_in_fan_out``)."""
+
+    module: str
+    a: TensorEntry
+    b: TensorEntry
+    scaling: float
+    transposed: bool
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A PEFT LoRA adapter: where it is, its config, the adapted modules and the tensors it
+    saves whole (base name -> entry): ``modules_to_save`` copies, and ``base_layer`` weights
+    (``base_layers`` names those: PEFT loads them into the base's own parameter)."""
+
+    path: Path
+    config: dict[str, Any]
+    modules: dict[str, LoraModule]
+    whole: dict[str, TensorEntry]
+    base_layers: frozenset[str] = frozenset()
+
+    @property
+    def label(self) -> str:
+        return self.path.name or str(self.path)
+
+
+def _folder(spec: str | Path) -> Path:
+    path = Path(spec)
+    if path.is_file() and path.name in (CONFIG, *WEIGHTS):
+        path = path.parent
+    if path.is_dir():
+        if not (path / CONFIG).is_file():
+            raise UsageError(f"{path}: no {CONFIG} there; {option('--merge-lora', 'merge_lora=')} takes a PEFT adapter "
+                             "folder (adapter_config.json + adapter_model.safetensors), as save_pretrained writes it")
+        return path
+    from reshard.hub import hub_files
+
+    return hub_files(str(spec), [CONFIG, *WEIGHTS], what=option("--merge-lora", "merge_lora="))
+
+
+def _config(folder: Path) -> dict[str, Any]:
+    from reshard.formats.hf.files import read_json
+
+    config = read_json(folder / CONFIG, CONFIG)
+    where = folder / CONFIG
+    if config.get("peft_type") != "LORA":
+        raise UnsupportedFormatError(f"{where}: peft_type {config.get('peft_type')!r}; reshard merges LoRA adapters only")
+    for key, what in _REFUSED_KEYS.items():
+        if config.get(key):
+            raise UnsupportedFormatError(f"{where}: {what} cannot be merged by reshard; merge with PEFT's "
+                                         "merge_and_unload instead")
+    for key in ("r", "lora_alpha"):
+        if not isinstance(config.get(key), (int, float)) or isinstance(config.get(key), bool) or config[key] <= 0:
+            raise CorruptCheckpointError(f"{where}: {key} is {config.get(key)!r}, not a positive number")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(config.get(key) or {}, dict):
+            raise CorruptCheckpointError(f"{where}: {key} is not an object of module pattern -> number")
+    return config
+
+
+def _weights(folder: Path) -> Catalog:
+    from reshard.formats.registry import get_format
+
+    for name, fmt in zip(WEIGHTS, ("safetensors", "torch")):
+        if (folder / name).is_file():
+            return get_format(fmt).read(folder / name)
+    raise UsageError(f"{folder}: no {' or '.join(WEIGHTS)} beside {CONFIG}")
+
+
+def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
+    """PEFT's ``get_pattern_key``: the first key that ends ``module`` at a ``.`` boundary."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return patterns[key]
+    return patterns.get(module, default)
+
+
+def _scaling(config: dict[str, Any], module: str, rank: int, where: Path) -> float:
+    r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
+    if r != rank:
+        raise CorruptCheckpointError(f"{where}: module {module!r} has lora_A of rank {rank}, but the config says r={r}")
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+    return alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+
+
+_LORA = re.compile(r"(?P<module>.+)\.(?:lora_(?P<ab>[AB])\.weight|lora_embedding_(?P<eab>[AB]))")
+
+
+def read_adapter(spec: str | Path) -> Adapter:
+    """The adapter at ``spec`` (a folder, or a Hub repo id), every tensor sorted into LoRA pairs
+    and whole tensors; anything else is refused, naming it."""
+    folder = _folder(spec)
+    config = _config(folder)
+    catalog = _weights(folder)
+    keep = [m for m in config.get("modules_to_save") or [] if isinstance(m, str)]
+    pairs: dict[str, dict[str, TensorEntry]] = {}
+    kinds: dict[str, bool] = {}  # module -> embedding adapter
+    whole: dict[str, TensorEntry] = {}
+    base_layers: set[str] = set()
+    for key, entry in catalog.tensors.items():
+        if not key.startswith(_PREFIX):
+            raise UnsupportedFormatError(f"{catalog.path}: tensor {key!r} is not under {_PREFIX!r}, as PEFT saves LoRA adapters")
+        name = key[len(_PREFIX):]
+        m = _LORA.fullmatch(name)
+        if m is not None:
+            module = m["module"]
+            pairs.setdefault(module, {})[m["ab"] or m["eab"]] = entry
+            kinds[module] = m["eab"] is not None
+            continue
+        plain = name.replace(".modules_to_save.", ".").replace(".base_layer.", ".")
+        owner = plain.rpartition(".")[0]
+        if ".base_layer." in name or any(owner == k or owner.endswith("." + k) for k in keep):
+            whole[plain] = entry
+            if ".base_layer." in name:
+                base_layers.add(plain)
+            continue
+        what = "DoRA magnitude vector" if "lora_magnitude_vector" in name else "tensor"
+        raise UnsupportedFormatError(f"{catalog.path}: module {owner!r}: adapter {what} {key!r} is not one reshard "
+                                     "merges (lora_A/lora_B, lora_embedding_A/B, modules_to_save); merge with PEFT instead")
+    modules = {}
+    transpose = bool(config.get("fan_in_fan_out"))
+    for module, ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise CorruptCheckpointError(f"{catalog.path}: module {module!r} has lora_{next(iter(ab))} but not its pair")
+        a, b = ab["A"], ab["B"]
+        if len(a.shape) != 2 or len(b.shape) != 2 or b.shape[1] != a.shape[0]:
+            raise UnsupportedFormatError(f"{catalog.path}: module {module!r}: lora_A {list(a.shape)} and lora_B "
+                                         f"{list(b.shape)} are not a linear or embedding LoRA pair (conv layers "
+                                         "are not merged by reshard)")
+        scaling = _scaling(config, module, a.shape[0], folder / CONFIG)
+        modules[module] = LoraModule(module, a, b, scaling, transposed=kinds[module] or transpose)
+    return Adapter(folder, config, modules, whole, frozenset(base_layers))
+
+
+def float32_box(entry: TensorEntry, box: Box) -> torch.Tensor:
+    """``box`` of ``entry`` as float32: a tensor computed in one chunk (merged, dequantized)
+    is read as its float32 values, never rounded to the entry's dtype first."""
+    import torch
+
+    chunks = entry.chunks
+    if len(chunks) == 1 and chunks[0].box == full_box(entry.shape):
+        return chunks[0].data.read(box).to(torch.float32)
+    return read_box(entry, box).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class _Merged(Banded):
+    """``base + sum(scaling * (B @ A))`` in float32 for any box, a band of rows at a time
+    (rounded once into the engine's slab)."""
+
+    base: TensorEntry
+    deltas: tuple[LoraModule, ...]
+
+    def _band(self, box: Box) -> torch.Tensor:
+        w = float32_box(self.base, box)
+        if box.numel == 0:
+            return w
+        (r0, c0), (nr, nc) = box.offsets, box.sizes
+        for d in self.deltas:
+            i0, ni = _aligned(r0, nr, self.base.shape[0])
+            j0, nj = _aligned(c0, nc, self.base.shape[1])
+            if d.transposed:  # delta[i, j] = (B @ A)[j, i]
+                product = float32_box(d.b, Box((j0, 0), (nj, d.rank))) @ float32_box(d.a, Box((0, i0), (d.rank, ni)))
+                product = product.T
+            else:
+                product = float32_box(d.b, Box((i0, 0), (ni, d.rank))) @ float32_box(d.a, Box((0, j0), (d.rank, nj)))
+            w.add_(product[r0 - i0: r0 - i0 + nr, c0 - j0: c0 - j0 + nc] * d.scaling)
+        return w
+
+
+_ALIGN = 64  # rows and columns of B @ A computed at a time, from a multiple of this
+
+
+def _aligned(start: int, size: int, limit: int) -> tuple[int, int]:
+    """``[start, start + size)`` widened to multiples of ``_ALIGN`` (cut at ``limit``).
+
+    A matrix product's kernel rounds an element differently in the ragged edge of its tiles
+    than inside them; PEFT multiplies whole matrices, so products over windows that start
+    where its tiles start (any tile size dividing 64) give its bits, where a band of 3 rows
+    would not."""
+    lo = start // _ALIGN * _ALIGN
+    return lo, min(limit, -(-(start + size) // _ALIGN) * _ALIGN) - lo
+
+
+def _delta_shape(d: LoraModule) -> tuple[int, int]:
+    out, into = d.b.shape[0], d.a.shape[1]
+    return (into, out) if d.transposed else (out, into)
+
+
+def _replaced(base: TensorEntry, new: TensorEntry, name: str, source: Path) -> TensorEntry:
+    if new.shape != base.shape:
+        raise UsageError(f"{source}: module {name.rpartition('.')[0]!r}: the adapter saves {name} as {list(new.shape)}, "
+                         f"the base holds {list(base.shape)}; was the base resized for this adapter?")
+    return TensorEntry(name, base.shape, base.dtype, new.chunks)  # cast to the base's dtype, as load_state_dict does
+
+
+def merged(catalog: Catalog, spec: str | Path) -> Catalog:
+    """``catalog`` (HF names, as ``export_catalog`` leaves it) with the adapter at ``spec``
+    merged: the adapted weights computed lazily, the saved modules in place of the base's."""
+    adapter = read_adapter(spec)
+    tensors = dict(catalog.tensors)
+    config = catalog.attrs.get("hf_config") or {}
+    tied = bool(config.get("tie_word_embeddings")) and _HEAD not in tensors
+    for name, entry in adapter.whole.items():
+        if tied and name in (_EMBED, _HEAD) and name not in adapter.base_layers:
+            raise UsageError(f"{adapter.path}: module {name.rpartition('.')[0]!r} is saved whole (modules_to_save) but "
+                             f"the base ties {_HEAD} to {_EMBED}; the merged model would have to untie them: merge with "
+                             "PEFT and save with tie_word_embeddings false")
+        if name == _HEAD and tied:  # a base layer PEFT loads into the one shared parameter
+            name = _EMBED
+        if name not in tensors:
+            raise UsageError(f"{adapter.path}: module {name.rpartition('.')[0]!r}: the adapter saves {name}, which the "
+                             f"base {catalog.path} does not have")
+        tensors[name] = _replaced(tensors[name], entry, name, adapter.path)
+    deltas: dict[str, list[LoraModule]] = {}
+    for module, d in adapter.modules.items():
+        name = f"{module}.weight"
+        if name == _HEAD and tied:
+            name = _EMBED  # one parameter in PEFT's model: both deltas land on it
+        base = tensors.get(name)
+        if base is None:
+            raise UsageError(f"{adapter.path}: module {module!r} is adapted, but the base {catalog.path} has no {name}")
+        if base.shape != _delta_shape(d):
+            raise UsageError(f"{adapter.path}: module {module!r}: lora_B @ lora_A gives {list(_delta_shape(d))}, the "
+                             f"base weight {name} is {list(base.shape)}; is this the adapter of another model?")
+        if not base.dtype.is_floating_point:
+            raise UsageError(f"{adapter.path}: module {module!r}: the base weight {name} is {base.dtype}, not floating point")
+        deltas.setdefault(name, []).append(d)
+    for name, ds in deltas.items():
+        base = tensors[name]
+        tensors[name] = TensorEntry(name, base.shape, base.dtype, [Chunk(full_box(base.shape), _Merged(base, tuple(ds)))])
+    kinds: dict[str, int] = {}
+    for module in adapter.modules:
+        last = module.rpartition(".")[2]
+        kinds[last] = kinds.get(last, 0) + 1
+    c = adapter.config
+    how = f"r={c['r']}, lora_alpha={c['lora_alpha']}" + (", rslora" if c.get("use_rslora") else "")
+    if c.get("rank_pattern") or c.get("alpha_pattern"):
+        how += ", rank/alpha patterns"
+    notice = (f"merged LoRA adapter {adapter.label} ({how}) into {len(deltas)} weights in float32 "
+              f"({', '.join(f'{k} {n}' for k, n in kinds.items())})")
+    if adapter.whole:
+        notice += (f"; {len(adapter.whole)} tensors replaced by the ones the adapter saves (modules_to_save, base "
+                   f"layers): {preview(list(adapter.whole))}")
+    attrs = dict(catalog.attrs)
+    if "hf_source" in attrs:
+        attrs["hf_source"] = f"{attrs['hf_source']}, with the PEFT LoRA adapter `{adapter.label}` merged in ({how})"
+    return replace(catalog, tensors=tensors, attrs=attrs, notices=[*catalog.notices, notice])

@@ -1,0 +1,199 @@
+"""``--quantize fp8``: block-scaled FP8 weights for inference engines, written while streaming.
+
+The format is DeepSeek-V3's, which transformers (``FineGrainedFP8Config``), vLLM and SGLang
+read: each 2-D linear weight ``<m>.weight`` becomes ``float8_e4m3fn`` with a float32
+``<m>.weight_scale_inv`` of shape ``(ceil(rows / 128), ceil(cols / 128))``, one scale per
+128x128 block (the edge blocks partial), and ``config.json`` gets
+
+    quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                           "weight_block_size": [128, 128], "modules_to_not_convert": [...]}
+
+A block's scale is ``amax(|block|) / 448`` (448: float8_e4m3fn's largest value; a block of
+zeros gets 1) and its values are ``(block / scale).to(float8_e4m3fn)``, computed in float32
+from the weight's float32 values (merged, dequantized or as stored: never rounded to
+``--dtype`` first). Embeddings, the output head, norms and router gates stay in the compute
+dtype (as DeepSeek-V3 ships them), and so does every tensor ``--keep-dtype`` names; their
+modules are listed in ``modules_to_not_convert``.
+
+Both tensors are computed for whatever box the engine asks: a box's values need the scales of
+the blocks it touches, which need those blocks' rows whole; the scales of a row of blocks are
+computed once per tensor and kept (one float per 16,384 weights).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from reshard import dtypes
+from reshard.boxes import Box, full_box
+from reshard.catalog import Catalog, Chunk, TensorEntry
+from reshard.errors import UsageError, option
+from reshard.lora import float32_box
+from reshard.regions import BAND_BYTES, Banded
+from reshard.sizes import preview
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SCHEMES", "BLOCK", "FP8_MAX", "quantizes", "scale_name", "quantized"]
+
+SCHEMES = ("fp8",)
+BLOCK = 128
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_FP8 = dtypes.by_name("float8_e4m3fn")
+_FLOAT32 = dtypes.by_name("float32")
+# Modules left in the compute dtype, by their last name: embeddings, the output head, norms
+# and MoE router gates (``mlp.gate``, ``router``, ``shared_expert_gate``; never ``gate_proj``).
+_HEADS = ("lm_head", "embed_out")
+
+
+def _excluded(module: str) -> str | None:
+    """Why ``module`` is not quantized whatever its shape, or None."""
+    last = module.rpartition(".")[2].lower()
+    if "embed" in last or last in ("wte", "wpe"):
+        return "embeddings"
+    if last in _HEADS:
+        return "output head"
+    if "norm" in last or last.startswith("ln"):
+        return "norms"
+    if last == "gate" or last.endswith("_gate") or "router" in last:
+        return "router gates"
+    return None
+
+
+def quantizes(name: str, entry: TensorEntry) -> bool:
+    """Whether ``--quantize fp8`` stores ``name`` in FP8: a floating 2-D ``.weight`` of a
+    module that is no embedding, head, norm or router gate."""
+    return (name.endswith(".weight") and len(entry.shape) == 2 and entry.dtype.is_floating_point
+            and _excluded(name.removesuffix(".weight")) is None)
+
+
+def scale_name(name: str) -> str:
+    """``<m>.weight`` -> ``<m>.weight_scale_inv``."""
+    return name + "_scale_inv"
+
+
+@dataclass
+class _Blocks:
+    """One weight's 128x128 blocks: their scales, a row of blocks at a time, computed once."""
+
+    source: TensorEntry
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        rows, cols = self.source.shape
+        return -(-rows // BLOCK), -(-cols // BLOCK)
+
+    def scales(self, first: int, count: int) -> torch.Tensor:
+        """Scales of block rows ``[first, first + count)``: ``[count, ceil(cols / 128)]``."""
+        import torch
+
+        return torch.stack([self._row(i) for i in range(first, first + count)]) if count else \
+            torch.empty((0, self.grid[1]), dtype=torch.float32)
+
+    def _row(self, i: int) -> torch.Tensor:
+        found = self._rows.get(i)
+        if found is not None:
+            return found
+        import torch
+
+        rows, cols = self.source.shape
+        r0, nr = i * BLOCK, min(BLOCK, rows - i * BLOCK)
+        amax = torch.empty(self.grid[1], dtype=torch.float32)
+        step = max(1, BAND_BYTES // (4 * BLOCK * BLOCK)) * BLOCK  # columns read at a time: whole blocks
+        for c0 in range(0, cols, step):
+            nc = min(step, cols - c0)
+            w = float32_box(self.source, Box((r0, c0), (nr, nc))).abs_()
+            for j in range(-(-nc // BLOCK)):
+                amax[c0 // BLOCK + j] = w[:, j * BLOCK: (j + 1) * BLOCK].amax()
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        with self._lock:
+            self._rows[i] = scale
+        return scale
+
+
+@dataclass(frozen=True)
+class _Values(Banded):
+    """The FP8 values of any box: its float32 rows divided by their blocks' scales."""
+
+    blocks: _Blocks
+    out_dtype = "float8_e4m3fn"
+
+    def _band(self, box: Box) -> torch.Tensor:
+        import torch
+
+        w = float32_box(self.blocks.source, box)
+        if box.numel == 0:
+            return w.to(_FP8.torch)
+        (r0, c0), (nr, nc) = box.offsets, box.sizes
+        g0 = r0 // BLOCK
+        scales = self.blocks.scales(g0, -(-(r0 + nr) // BLOCK) - g0)
+        per_row = scales.repeat_interleave(BLOCK, dim=0)[r0 - g0 * BLOCK: r0 - g0 * BLOCK + nr]
+        out = torch.empty(box.sizes, dtype=_FP8.torch)
+        for j in range(c0 // BLOCK, -(-(c0 + nc) // BLOCK)):
+            a, b = max(c0, j * BLOCK) - c0, min(c0 + nc, (j + 1) * BLOCK) - c0
+            out[:, a:b] = (w[:, a:b] / per_row[:, j: j + 1]).to(_FP8.torch)
+        return out
+
+
+@dataclass(frozen=True)
+class _Scales:
+    """The float32 ``weight_scale_inv`` grid, any box of it."""
+
+    blocks: _Blocks
+
+    def read(self, box: Box) -> torch.Tensor:
+        (g0, c0), (ng, nc) = box.offsets, box.sizes
+        return self.blocks.scales(g0, ng)[:, c0: c0 + nc].contiguous()
+
+
+def _modules(names: list[str]) -> list[str]:
+    return sorted({n.removesuffix(".weight") for n in names})
+
+
+def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambda name: False) -> Catalog:
+    """``catalog`` (as ``export_catalog`` leaves it, config in attrs) with every weight that
+    ``quantizes`` and ``keep`` does not name stored in FP8 with its scales, and the config's
+    ``quantization_config`` saying so."""
+    if scheme not in SCHEMES:
+        raise UsageError(f"{option('--quantize', 'quantize=')} {scheme!r}: reshard writes {', '.join(SCHEMES)} "
+                         "(DeepSeek-V3's 128x128 block-scaled float8_e4m3fn)")
+    config = catalog.attrs.get("hf_config")
+    if not isinstance(config, dict):
+        raise UsageError(f"{option('--quantize fp8', 'quantize=')} writes its scheme into config.json; "
+                         f"{option('--weights-only', 'weights_only=True')} writes none, so nothing could read the weights")
+    tensors: dict[str, TensorEntry] = {}
+    done: list[str] = []
+    left: dict[str, list[str]] = {}  # why -> names of floating weights left unquantized
+    for name, entry in catalog.tensors.items():
+        if not quantizes(name, entry) or keep(name):
+            tensors[name] = entry
+            why = "--keep-dtype" if keep(name) and quantizes(name, entry) else _excluded(name.removesuffix(".weight"))
+            if why is not None and name.endswith(".weight") and entry.dtype.is_floating_point:
+                left.setdefault(why, []).append(name)
+            continue
+        blocks = _Blocks(entry)
+        tensors[name] = TensorEntry(name, entry.shape, _FP8, [Chunk(full_box(entry.shape), _Values(blocks))])
+        scale = scale_name(name)
+        if scale in catalog.tensors:
+            raise UsageError(f"{catalog.path}: {name} would be quantized, but the checkpoint already holds {scale}")
+        grid = blocks.grid
+        tensors[scale] = TensorEntry(scale, grid, _FLOAT32, [Chunk(full_box(grid), _Scales(blocks))])
+        done.append(name)
+    if not done:
+        raise UsageError(f"{catalog.path}: {option('--quantize fp8', 'quantize=')} found no 2-D linear weight to "
+                         "quantize (embeddings, the head, norms and router gates stay as they are)")
+    skipped = [n for names in left.values() for n in names]
+    qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                          "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": _modules(skipped)}
+    attrs = {**catalog.attrs, "hf_config": {**config, "quantization_config": qc}}
+    kept = "; ".join(f"{why} {len(names)}" for why, names in left.items())
+    notice = (f"quantized {len(done)} linear weights to float8_e4m3fn with float32 weight_scale_inv per {BLOCK}x{BLOCK} "
+              f"block (from their float32 values); left in the compute dtype: {kept or 'none'} "
+              f"(quantization_config.modules_to_not_convert: {preview(qc['modules_to_not_convert'])})")
+    return replace(catalog, tensors=tensors, attrs=attrs, notices=[*catalog.notices, notice])

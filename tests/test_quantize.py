@@ -1,0 +1,165 @@
+"""--quantize fp8: DeepSeek-V3's block-scaled float8_e4m3fn, written while streaming, bit for bit
+what a plain-torch reference quantizer gives (partial blocks on a ceil grid), read back the same
+by reshard's dequantizer and by transformers' ``FineGrainedFP8Config(dequantize=True)``; and
+composed with --merge-lora, --dtype and --keep-dtype in one pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import reshard
+from reshard.cli import main
+from tests.hf_models import save_lora_adapter
+
+E4M3 = torch.float8_e4m3fn
+
+
+def reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's quantizer as the issue defines it: per 128x128 block (a ceil grid, edge
+    blocks partial) scale = amax(|block|) / 448 (1 for a zero block), values (block / scale)."""
+    rows, cols = w.shape
+    nr, nc = -(-rows // 128), -(-cols // 128)
+    q, scale = torch.empty(rows, cols, dtype=E4M3), torch.empty(nr, nc)
+    for i in range(nr):
+        for j in range(nc):
+            block = w[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128].float()
+            amax = block.abs().max()
+            scale[i, j] = amax / 448 if amax > 0 else 1.0
+            q[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] = (block / scale[i, j]).to(E4M3)
+    return q, scale
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    out = q.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * 128:(i + 1) * 128, j * 128:(j + 1) * 128] *= scale[i, j]
+    return out
+
+
+def _llama(folder: Path, **dims: int) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False, max_position_embeddings=16, **dims))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+        model.model.layers[0].mlp.up_proj.weight[128:256, :128] = 0  # a block of zeros: scale 1
+    model.save_pretrained(folder, max_shard_size="200KB")
+    return folder
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def test_fp8_partial_blocks_bit_exact_and_read_back(tmp_path: Path, capsys) -> None:
+    base = _llama(tmp_path / "base", vocab_size=300, hidden_size=200, intermediate_size=300, num_attention_heads=4,
+                  num_key_value_heads=2)  # 200 and 300: partial edge blocks; k/v 100x200: one partial row of blocks
+    out = tmp_path / "fp8"
+    assert main(["convert", str(base), str(out), "--to", "hf", "--quantize", "fp8", "--max-memory", "1MiB"]) == 0
+    notices = capsys.readouterr().err
+    source, got = _tensors(base), _tensors(out)
+    weights = [n for n in source if n.endswith(".weight") and n.split(".")[-2] in QUANTIZED]
+    assert len(weights) == 14 and sorted(got) == sorted([*source, *(n + "_scale_inv" for n in weights)])
+    for name, t in source.items():
+        if name in weights:
+            q, scale = reference(t)
+            assert got[name].dtype == E4M3 and torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert got[name + "_scale_inv"].dtype == torch.float32 and torch.equal(got[name + "_scale_inv"], scale), name
+        else:  # embeddings, head, norms: as they were
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    assert got["model.layers.0.mlp.up_proj.weight_scale_inv"][1, 0] == 1.0
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    qc = config["quantization_config"]
+    assert {k: v for k, v in qc.items() if k != "modules_to_not_convert"} == {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert {"lm_head", "model.embed_tokens", "model.norm"} <= set(qc["modules_to_not_convert"])
+    assert not any(m.split(".")[-1] in QUANTIZED for m in qc["modules_to_not_convert"])
+    assert "quantized 14 linear weights to float8_e4m3fn" in notices
+    # reshard's own dequantizer: exactly fp8.float() * scale per block
+    back = tmp_path / "back"
+    assert main(["convert", str(out), str(back), "--to", "hf", "--dtype", "float32"]) == 0
+    plain = _tensors(back)
+    assert sorted(plain) == sorted(source) and "quantization_config" not in json.loads((back / "config.json").read_text())
+    for name in weights:
+        assert torch.equal(plain[name], dequantized(got[name], got[name + "_scale_inv"])), name
+
+
+def test_fp8_multiples_of_128_match_transformers(tmp_path: Path) -> None:
+    from transformers import FineGrainedFP8Config, LlamaForCausalLM
+
+    base = _llama(tmp_path / "base", vocab_size=64, hidden_size=256, intermediate_size=384, num_attention_heads=2,
+                  num_key_value_heads=1)
+    out = tmp_path / "fp8"
+    reshard.convert(base, out, to="hf", quantize="fp8", max_memory="64KiB", quiet=True)
+    back = tmp_path / "back"
+    reshard.convert(out, back, to="hf", dtype="float32", quiet=True)
+    ours = _tensors(back)
+    model = LlamaForCausalLM.from_pretrained(out, quantization_config=FineGrainedFP8Config(dequantize=True))
+    theirs = model.state_dict()
+    assert sorted(ours) == sorted(theirs)
+    quantized = [n for n, t in _tensors(out).items() if t.dtype == E4M3]
+    assert len(quantized) == 14
+    for name, t in ours.items():
+        assert torch.equal(theirs[name].float(), t), name
+
+
+def test_merge_dtype_keep_quantize_in_one_pass(tmp_path: Path, capsys) -> None:
+    base = _llama(tmp_path / "base", vocab_size=64, hidden_size=160, intermediate_size=200, num_attention_heads=4,
+                  num_key_value_heads=2)
+    adapter = save_lora_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8,
+                                target_modules=["q_proj", "v_proj", "gate_proj", "embed_tokens"])
+    merged = tmp_path / "merged"  # the merge alone, in float32 (test_lora.py: equal to PEFT's)
+    reshard.convert(base, merged, to="hf", merge_lora=adapter, quiet=True)
+    out = tmp_path / "serve"
+    assert main(["convert", str(base), str(out), "--to", "hf", "--merge-lora", str(adapter), "--dtype", "bfloat16",
+                 "--keep-dtype", "norm", "--quantize", "fp8", "--max-memory", "1MiB"]) == 0
+    notices = capsys.readouterr().err
+    want, got = _tensors(merged), _tensors(out)
+    for name, t in want.items():
+        if name.split(".")[-2] in QUANTIZED:  # quantized from the merged float32 values, not from bf16
+            q, scale = reference(t)
+            assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8)), name
+            assert torch.equal(got[name + "_scale_inv"], scale), name
+        elif "norm" in name:
+            assert got[name].dtype == torch.float32 and torch.equal(got[name], t), name
+        else:
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], t.to(torch.bfloat16)), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "bfloat16" and config["quantization_config"]["quant_method"] == "fp8"
+    for decision in ("merged LoRA adapter adapter", "quantized 14 linear weights", "cast to bfloat16",
+                     "kept 5 tensors in their source dtype (--keep-dtype norm)"):
+        assert decision in notices, decision
+    # --keep-dtype names a linear weight: it stays unquantized, listed in modules_to_not_convert
+    kept = tmp_path / "kept"
+    reshard.convert(base, kept, to="hf", quantize="fp8", keep_dtype=[r"layers\.0\.self_attn\.q_proj"], quiet=True)
+    qc = json.loads((kept / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.self_attn.q_proj" in qc["modules_to_not_convert"]
+    assert _tensors(kept)["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--quantize", "int4"], "'int4': reshard writes fp8"),
+    (["--quantize", "fp8", "--weights-only"], "writes none"),
+])
+def test_quantize_refusals(tmp_path: Path, capsys, argv: list[str], message: str) -> None:
+    base = _llama(tmp_path / "base", vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2)
+    assert main(["convert", str(base), str(tmp_path / "out"), "--to", "hf", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert main(["convert", str(base), str(tmp_path / "o.safetensors"), "--quantize", "fp8"]) == 2
+    assert "--quantize applies to hf outputs" in capsys.readouterr().err
