@@ -242,6 +242,9 @@ def workspace(doc: Path, root: Path, ckpt: Path) -> Path:
         from tests.hf_models import save_tiny_llama
 
         save_tiny_llama(where / "llama-1b", tie=False)  # what the Hub download of the line before makes
+        from tests.hf_models import save_lora_adapter
+
+        save_lora_adapter(where / "llama-1b", where / "my-lora", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
     if doc.name == "README.md":
         _hf_side_files(where, ckpt)
         shutil.copytree(DATA / "torchtitan" / "llama3" / "checkpoint" / "step-2", where / "titan")
