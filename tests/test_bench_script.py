@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,12 @@ def test_paths_checks(scripts: Path) -> None:
     assert verdict[f"{MOE}: peak RSS above import torch"] is True  # 600 <= 256 + 384
     assert verdict["dim-1 / dim-0 re-layout work"] is False  # 28 / 10
     assert f"{TORCH_CAST}: peak RSS above import torch" not in verdict  # peers have no target
+    # --merge-lora runs at its own budget (a quarter of its model): its target follows it
+    from bench_paths import MERGE_LORA
+
+    merge = next(p for p in rows if p.row.name == MERGE_LORA)
+    assert merge.target == "budget" and merge.budget_mib is not None
+    assert replace(merge, budget_mib=lambda: 128).target_mib(256) == 128 + 384
 
 
 def test_meta_ckpt_cached(scripts: Path, tmp_path: Path) -> None:

@@ -79,6 +79,24 @@ def test_tied_embeddings_stay_tied(tmp_path: Path) -> None:
     torch.testing.assert_close(hf_logits(out), logits, rtol=0, atol=1e-5)
 
 
+def test_bin_adapter_and_dry_run(base: Path, tmp_path: Path) -> None:
+    """An adapter saved as adapter_model.bin (torch.load with weights_only) merges the same."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(3)
+    peft = get_peft_model(LlamaForCausalLM.from_pretrained(base),
+                          LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    assert (tmp_path / "bin" / "adapter_model.bin").is_file()
+    dry = reshard.convert(base, tmp_path / "dry", to="hf", merge_lora=tmp_path / "bin", dry_run=True)
+    assert not (tmp_path / "dry").exists() and any("into 2 weights" in n for n in dry.notices)
+    reshard.convert(base, tmp_path / "out", to="hf", merge_lora=tmp_path / "bin", quiet=True)
+    expected, _ = peft_merged(base, tmp_path / "bin")
+    for name, t in _tensors(tmp_path / "out").items():
+        torch.testing.assert_close(t, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
 def test_fan_in_fan_out_gpt2(tmp_path: Path) -> None:
     """GPT-2's Conv1D stores weights [in, out]: the delta is (B @ A).T, as PEFT merges it."""
     from peft import LoraConfig, PeftModel, get_peft_model
