@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError, option
-from reshard.keymap.chunks import read_box
+from reshard.keymap.chunks import float32_box
 from reshard.regions import Banded
 from reshard.sizes import preview
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Adapter", "LoraModule", "read_adapter", "merged", "float32_box"]
+__all__ = ["Adapter", "LoraModule", "read_adapter", "merged"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -138,8 +138,11 @@ def _weights(folder: Path) -> Catalog:
 def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     """PEFT's ``get_pattern_key``: the first key that ends ``module`` at a ``.`` boundary."""
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return patterns[key]
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return patterns[key]
+        except re.error as e:
+            raise CorruptCheckpointError(f"{CONFIG}: pattern {key!r} is not a regular expression ({e})") from None
     return patterns.get(module, default)
 
 
@@ -177,7 +180,8 @@ def read_adapter(spec: str | Path) -> Adapter:
             continue
         plain = name.replace(".modules_to_save.", ".").replace(".base_layer.", ".")
         owner = plain.rpartition(".")[0]
-        if ".base_layer." in name or any(owner == k or owner.endswith("." + k) for k in keep):
+        trained_bias = name.endswith(".bias") and config.get("bias") in ("all", "lora_only")  # PEFT's bias=
+        if ".base_layer." in name or trained_bias or any(owner == k or owner.endswith("." + k) for k in keep):
             whole[plain] = entry
             if ".base_layer." in name:
                 base_layers.add(plain)
@@ -198,17 +202,6 @@ def read_adapter(spec: str | Path) -> Adapter:
         scaling = _scaling(config, module, a.shape[0], folder / CONFIG)
         modules[module] = LoraModule(module, a, b, scaling, transposed=kinds[module] or transpose)
     return Adapter(folder, config, modules, whole, frozenset(base_layers))
-
-
-def float32_box(entry: TensorEntry, box: Box) -> torch.Tensor:
-    """``box`` of ``entry`` as float32: a tensor computed in one chunk (merged, dequantized)
-    is read as its float32 values, never rounded to the entry's dtype first."""
-    import torch
-
-    chunks = entry.chunks
-    if len(chunks) == 1 and chunks[0].box == full_box(entry.shape):
-        return chunks[0].data.read(box).to(torch.float32)
-    return read_box(entry, box).to(torch.float32)
 
 
 @dataclass(frozen=True)

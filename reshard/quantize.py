@@ -31,7 +31,7 @@ from reshard import dtypes
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import UsageError, option
-from reshard.lora import float32_box
+from reshard.keymap.chunks import float32_box
 from reshard.regions import BAND_BYTES, Banded
 from reshard.sizes import preview
 

@@ -97,6 +97,35 @@ def test_bin_adapter_and_dry_run(base: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(t, expected[name], rtol=0, atol=1e-6, msg=name)
 
 
+def test_dcp_base_and_trained_biases(tmp_path: Path) -> None:
+    """BASE may be any source with HF names: here a DCP folder converted from the HF folder
+    (config.json carried inside); PEFT's ``bias="all"`` saves trained biases, loaded into
+    the base's own."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                 num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                                 tie_word_embeddings=False)).save_pretrained(tmp_path / "hf")
+    adapter = save_lora_adapter(tmp_path / "hf", tmp_path / "adapter", r=4, lora_alpha=8,
+                                target_modules=["q_proj", "o_proj"], bias="all")
+    with torch.no_grad():  # as if training had moved the biases: the adapter's must win
+        from safetensors.torch import save_file
+
+        saved = load_file(adapter / "adapter_model.safetensors")
+        biases = [k for k in saved if k.endswith(".bias")]
+        assert biases and any(".base_layer." not in k for k in biases)
+        save_file({k: v + 1 if k in biases else v for k, v in saved.items()}, adapter / "adapter_model.safetensors")
+    reshard.convert(tmp_path / "hf", tmp_path / "dcp", quiet=True)
+    reshard.convert(tmp_path / "dcp", tmp_path / "out", to="hf", merge_lora=adapter, quiet=True)
+    expected, logits = peft_merged(tmp_path / "hf", adapter)
+    got = _tensors(tmp_path / "out")
+    assert sorted(got) == sorted(expected)
+    for name, t in got.items():
+        torch.testing.assert_close(t, expected[name], rtol=0, atol=1e-6, msg=name)
+    torch.testing.assert_close(hf_logits(tmp_path / "out"), logits, rtol=0, atol=1e-5)
+
+
 def test_fan_in_fan_out_gpt2(tmp_path: Path) -> None:
     """GPT-2's Conv1D stores weights [in, out]: the delta is (B @ A).T, as PEFT merges it."""
     from peft import LoraConfig, PeftModel, get_peft_model

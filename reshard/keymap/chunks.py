@@ -23,7 +23,7 @@ from reshard.regions import StoredRegion, as_region
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["read_box", "part_chunks", "shifted_chunks", "index_chunks", "stacked_chunks", "RowGather", "rope_rows",
+__all__ = ["read_box", "float32_box", "part_chunks", "shifted_chunks", "index_chunks", "stacked_chunks", "RowGather", "rope_rows",
            "gathered_entry"]
 
 
@@ -37,6 +37,17 @@ def read_box(entry: TensorEntry, box: Box) -> torch.Tensor:
         if part is not None:
             out[part.shifted(box.offsets).as_slices()] = chunk.data.read(part.shifted(chunk.box.offsets))
     return out
+
+
+def float32_box(entry: TensorEntry, box: Box) -> torch.Tensor:
+    """``box`` of ``entry`` as float32: a tensor computed in one chunk (a LoRA merge, a
+    dequantized weight) is read as its float32 values, never rounded to the entry's dtype first."""
+    import torch
+
+    chunks = entry.chunks
+    if len(chunks) == 1 and chunks[0].box == full_box(entry.shape):
+        return chunks[0].data.read(box).to(torch.float32)
+    return read_box(entry, box).to(torch.float32)
 
 
 @dataclass(frozen=True)
