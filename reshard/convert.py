@@ -146,7 +146,15 @@ def convert(
     ``config`` (a config.json, an HF folder or a Hub repo id) says what model the tensors are
     (head counts and family for key maps; the config.json of ``to="hf"``); ``hf_assets`` (a
     folder or repo id) gives an HF export its tokenizer, chat template and generation config;
-    ``weights_only`` writes an HF export's safetensors without any config. ``dry_run`` plans
+    ``weights_only`` writes an HF export's safetensors without any config. For serving, an
+    HF export takes ``merge_lora`` (a PEFT LoRA adapter folder or repo id, merged while the
+    weights stream: ``reshard.lora``), ``quantize="fp8"`` (block-scaled float8_e4m3fn weights:
+    ``reshard.quantize``) and ``keep_dtype`` (regexes of output names ``dtype`` leaves alone):
+
+    >>> reshard.convert("base/", "served/", to="hf", merge_lora="adapter/", dtype="bfloat16",
+    ...                 keep_dtype=["norm"], quantize="fp8")
+
+    ``dry_run`` plans
     and checks everything a conversion would (names, placements, files, sizes per rank) and
     writes nothing.
     """
