@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, ReshardError, UnsupportedFormatError, UsageError
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError, UsageError
 from reshard.formats.dcp.format import DCPFormat
 from reshard.formats.torch.save import add_leaves, flatten_tree
 from reshard.formats.torch.file import read_torch_file
 from reshard.options import ConvertOptions
 
-__all__ = ["MegatronFormat", "resolve_iteration", "megatron_heads"]
+__all__ = ["MegatronFormat", "resolve_iteration"]
 
 _LATEST = "latest_checkpointed_iteration.txt"
 _STATE = "optimizer.state."
@@ -67,21 +67,6 @@ def resolve_iteration(path: Path) -> Path:
             raise CheckpointNotFoundError(f"{file}: names iteration {text}, but {folder} does not exist")
         return folder
     raise CheckpointNotFoundError(f"{path}: not a Megatron-Core checkpoint (no metadata.json, no {_LATEST})")
-
-
-def megatron_heads(catalog: Catalog) -> dict[str, int]:
-    """Head counts from the ``args`` Megatron-LM saves (``n_heads``, ``n_kv_heads``); empty
-    when there are none or they cannot be read."""
-    try:
-        args = catalog.objects["args"] if "args" in catalog.objects else None
-    except ReshardError:  # args holding a class nobody allowed: no head counts from here
-        return {}
-    heads = getattr(args, "num_attention_heads", None)
-    if not isinstance(heads, int):
-        return {}
-    groups = getattr(args, "num_query_groups", None)
-    gqa = getattr(args, "group_query_attention", isinstance(groups, int))
-    return {"n_heads": heads, "n_kv_heads": groups if gqa and isinstance(groups, int) else heads}
 
 
 class MegatronFormat:

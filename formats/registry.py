@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from reshard.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
 from reshard.storage import RemotePath
@@ -22,11 +22,14 @@ if TYPE_CHECKING:
     from reshard.protocol import Format
 
 __all__ = ["FormatEntry", "FORMATS", "register_format", "get_format", "detect_format", "write_names",
-           "format_for_destination", "default_suffix", "taking", "format_options", "remote_holds", "remote_writes"]
+           "format_for_destination", "default_suffix", "taking", "format_options", "remote_holds", "remote_writes",
+           "format_entry", "mesh_writer", "mesh_formats", "shown_name", "all_suffixes", "FOREIGN_SUFFIXES", "load_target"]
 
 
 @dataclass(frozen=True)
 class FormatEntry:
+    """One format, and what it can do: the core asks these, never for a format by name."""
+
     name: str
     target: str  # "module:Class", imported on first use
     holds: str  # what ``detect`` recognizes, in words
@@ -35,6 +38,23 @@ class FormatEntry:
     default_suffix: str = ""  # of a default output name, for single-file outputs
     options: tuple[str, ...] = ()  # the format-specific ``ConvertOptions`` its writer uses
     remote: bool = False  # read from (and, when it writes, written to) fsspec URLs: ``reshard.storage``
+    mesh_writer: str | None = None  # the format that writes this one laid out for a mesh; None: whole tensors only
+    file_output: bool = False  # one file, unless a mesh or shards are asked (then a folder)
+    folder_suffix: str = ""  # a folder output's name ends so (``ckpt.zarr``)
+    label: str = ""  # the word a default folder name ends with (default: the name)
+    default: bool = False  # the format of a DST without a known suffix; its default names need no label
+    # "module:function" turning the catalog into what this output holds (names, config, side
+    # files): the HF export's key maps, model section and config.json.
+    prepare: str | None = None
+    # "module:function" writing the output at an fsspec URL: (url, plan, target, writer, files, options).
+    url_writer: str = "reshard.remote_output:write_remote"
+    model_sections: bool = False  # read(path, model_index=i) picks one model of several (and its optimizer)
+
+
+# Suffixes of files reshard does not write: a DST named so is a mistake, not a DCP folder name.
+FOREIGN_SUFFIXES = frozenset({
+    ".onnx", ".gguf", ".ggml", ".h5", ".hdf5", ".keras", ".tflite", ".pb", ".npz", ".npy", ".json", ".txt", ".msgpack",
+    ".engine", ".trt", ".mlmodel", ".tar", ".gz", ".tgz", ".zip", ".pkl", ".pickle"})
 
 
 # Detection order matters: a DCP folder may also contain other files; an HF folder with both
@@ -43,24 +63,30 @@ class FormatEntry:
 FORMATS: list[FormatEntry] = [
     # Megatron-Core's torch_dist is a DCP folder with metadata.json and common.pt beside it.
     FormatEntry("megatron", "reshard.formats.megatron:MegatronFormat", "a Megatron-Core torch_dist iter_N folder"),
-    FormatEntry("dcp", "reshard.formats.dcp.format:DCPFormat", "a DCP folder with .metadata", writes=True, remote=True),
-    FormatEntry("accelerate", "reshard.formats.accelerate:AccelerateFormat", "an accelerate save_state folder"),
+    FormatEntry("dcp", "reshard.formats.dcp.format:DCPFormat", "a DCP folder with .metadata", writes=True, remote=True,
+                mesh_writer="dcp", default=True),
+    FormatEntry("accelerate", "reshard.formats.accelerate:AccelerateFormat", "an accelerate save_state folder",
+                model_sections=True),
     FormatEntry("zarr", "reshard.formats.zarr.format:ZarrFormat", "a zarr v3 store with zarr.json", writes=True,
-                suffixes=(".zarr",), default_suffix=".zarr", options=("max_shard_size", "compress"), remote=True),
+                suffixes=(".zarr",), default_suffix=".zarr", options=("max_shard_size", "compress"), remote=True,
+                mesh_writer="zarr", folder_suffix=".zarr", url_writer="reshard.formats.zarr.remote:write_url"),
     # before torch-ranks: DeepSpeed's per-rank *_optim_states.pt are no DTensor rank files.
     FormatEntry("deepspeed", "reshard.formats.deepspeed.format:DeepSpeedFormat", "a DeepSpeed global_stepN folder"),
     FormatEntry("safetensors", "reshard.formats.safetensors.format:SafetensorsFormat",
                 "*.safetensors or a folder of them", writes=True, suffixes=(".safetensors",),
-                default_suffix=".safetensors", options=("max_shard_size",), remote=True),
+                default_suffix=".safetensors", options=("max_shard_size",), remote=True, file_output=True),
     FormatEntry("hf-bin", "reshard.formats.hf.bin:HFBinFormat",
                 "an HF folder with pytorch_model.bin or a *.bin.index.json"),
-    FormatEntry("torch-ranks", "reshard.formats.torch.rank_folder:TorchRanksFormat", "a folder of per-rank torch files"),
+    FormatEntry("torch-ranks", "reshard.formats.torch.rank_folder:TorchRanksFormat", "a folder of per-rank torch files",
+                mesh_writer="torch-ranks", label="torch"),
+    # .ckpt: Lightning's torch.save files
     FormatEntry("torch", "reshard.formats.torch.save:TorchSaveFormat", "a torch .pt/.pth/.bin file", writes=True,
-                suffixes=(".pt", ".pth", ".bin"), default_suffix=".pt", remote=True),
+                suffixes=(".pt", ".pth", ".bin", ".ckpt"), default_suffix=".pt", remote=True, mesh_writer="torch-ranks",
+                file_output=True),
     # A write target only (an HF model folder); HF folders are detected as safetensors.
     FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True,
                 options=("max_shard_size", "hf_assets", "weights_only", "architecture_check", "merge_lora", "quantize"),
-                remote=True),
+                remote=True, prepare="reshard.formats.hf.format:export_catalog"),
 ]
 _cache: dict[str, Format] = {}
 
@@ -82,14 +108,52 @@ def _entry(name: str) -> FormatEntry | None:
     return next((e for e in FORMATS if e.name == name), None)
 
 
-def get_format(name: str) -> Format:
+def format_entry(name: str) -> FormatEntry:
     entry = _entry(name)
     if entry is None:
         raise UsageError(f"unknown format {name!r}; choose one of: {', '.join(write_names())}")
+    return entry
+
+
+def load_target(target: str) -> Any:
+    """What a ``"module:attribute"`` of the table names, imported on first use."""
+    module, attribute = target.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def get_format(name: str) -> Format:
+    entry = format_entry(name)
     if name not in _cache:
-        module, cls = entry.target.split(":")
-        _cache[name] = getattr(importlib.import_module(module), cls)()
+        _cache[name] = load_target(entry.target)()
     return _cache[name]
+
+
+def mesh_writer(name: str) -> str:
+    """The format that writes ``name`` laid out for a mesh; a usage error when it holds whole
+    tensors only."""
+    writer = format_entry(name).mesh_writer
+    if writer is None:
+        raise UsageError(f"--to {name} holds whole tensors; --to-mesh lays out {mesh_formats()}")
+    return writer
+
+
+def mesh_formats() -> str:
+    """The ``--to`` formats that hold a mesh layout, in words."""
+    return ", ".join(f"{e.name} (one file per rank)" if e.mesh_writer != e.name else e.name
+                     for e in FORMATS if e.writes and e.mesh_writer)
+
+
+def shown_name(name: str) -> str:
+    """The ``--to`` a writer's format is asked by (``torch`` for the per-rank files of ``--to
+    torch --to-mesh``)."""
+    entry = format_entry(name)
+    if entry.writes:
+        return name
+    return next((e.name for e in FORMATS if e.writes and e.mesh_writer == name), name)
+
+
+def all_suffixes() -> tuple[str, ...]:
+    return tuple(s for e in FORMATS for s in e.suffixes)
 
 
 def detect_format(path: Path | RemotePath) -> Format:
@@ -127,10 +191,16 @@ def remote_writes() -> tuple[str, ...]:
     return tuple(e.name for e in FORMATS if e.writes and e.remote)
 
 
-def format_for_destination(dst: Path) -> str:
-    """``--to`` when only DST is given: by suffix, else a DCP folder."""
+def format_for_destination(dst: Path, shown: str | None = None) -> str:
+    """``--to`` when only DST is given: by suffix, else the default format (a DCP folder); a
+    suffix of some other tool's file is refused rather than becoming a folder of that name."""
     suffix = dst.suffix.lower()
-    return next((e.name for e in FORMATS if e.writes and suffix in e.suffixes), "dcp")
+    if suffix in FOREIGN_SUFFIXES:
+        named = ", ".join(s for e in FORMATS if e.writes for s in e.suffixes)
+        raise UsageError(f"{shown or dst}: reshard does not write {dst.suffix} files; name a {named} output, a folder "
+                         "without a suffix (DCP), or give --to")
+    found = next((e.name for e in FORMATS if e.writes and suffix in e.suffixes), None)
+    return found or next(e.name for e in FORMATS if e.default)
 
 
 def taking(option_name: str) -> list[str]:

@@ -66,6 +66,9 @@ class Convention:
     # False: only the tool's own reader records this layout (catalog.attrs["layout"]); its
     # names alone are no evidence (verl's per-rank files look like torch's tutorial layout).
     detected: bool = True
+    # What a one-file output (a .pt or .safetensors) keeps when no ``only`` is given, and the
+    # notice that says so: the tool's own export of such a file, where it has one.
+    one_file: tuple[str, str] | None = None
 
 
 # A name part that says "this is one rank's" outside the model (rank3, dp_rank_3, rank-3,
@@ -97,7 +100,10 @@ CONVENTIONS: tuple[Convention, ...] = (
     # Recorded by the DeepSpeed reader (formats/deepspeed/format.py): fp32 master weights at the top
     # level, model-dtype copies under module., engine state under deepspeed.
     Convention("deepspeed", "DeepSpeed ZeRO and universal checkpoints (global_stepN/)", "", "optimizer.", "index",
-               ("module.", "deepspeed."), (), ("deepspeed",)),
+               ("module.", "deepspeed."), (), ("deepspeed",),
+               # One file from a ZeRO run is what zero_to_fp32 writes: the fp32 master weights.
+               one_file=("model", "wrote the fp32 master weights only, as DeepSpeed's zero_to_fp32 does; convert to a "
+                                  "DCP folder to keep the optimizer state")),
     # Megatron-Core torch_dist (formats/megatron.py): model keys at the top level, optimizer
     # state as optimizer.state.<exp_avg|exp_avg_sq|param>.<key>, common.pt's entries beside.
     Convention("megatron", "Megatron-Core torch_dist (iter_N/ with metadata.json, common.pt)", "", "optimizer.",

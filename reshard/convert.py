@@ -17,8 +17,8 @@ from reshard.errors import SourceChangedError, UsageError, option
 from reshard.gc_pause import paused_gc
 from reshard.protocol import Writer
 from reshard.pieces import OutputFile
-from reshard.formats.registry import (FORMATS, default_suffix, format_for_destination, format_options, get_format,
-                                      remote_writes, taking)
+from reshard.formats.registry import (all_suffixes, format_entry, format_for_destination, format_options, get_format,
+                                      load_target, mesh_writer, remote_writes, shown_name, taking)
 from reshard.options import ConvertOptions, named
 from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
@@ -31,9 +31,6 @@ from reshard.sources import local_path, resolve_source
 from reshard.staging import StagedOutput
 
 __all__ = ["ConvertResult", "convert", "build_target", "write_output", "default_destination", "source_files"]
-
-# Formats that can hold a mesh layout, and the writer that does it.
-_MESH_FORMATS = {"dcp": "dcp", "torch": "torch-ranks", "torch-ranks": "torch-ranks", "zarr": "zarr"}
 
 
 @dataclass
@@ -74,20 +71,21 @@ def default_destination(src: Path, to: str, *, sharded: bool = False, mesh_label
                         dtype: str | None = None) -> Path:
     """A new path beside ``src`` named after what changes (``ckpt_4x8``, ``ckpt_bfloat16``,
     ``ckpt_3_torch``, ``ckpt.safetensors``, ``ckpt_hf``); never ``src`` itself, and two
-    different conversions of one source never default to the same name."""
+    different conversions of one source never default to the same name. How each format's
+    outputs are named is its registry entry's (one file, a folder suffix, a label)."""
     stem = src.name
-    for suffix in (*(s for e in FORMATS for s in e.suffixes), ".ckpt"):
+    for suffix in all_suffixes():
         stem = stem.removesuffix(suffix)
     parts = [stem] + ([mesh_label] if mesh_label else []) + ([dtype] if dtype else [])
-    single_file = mesh_label is None and not sharded and to in ("safetensors", "torch")
-    if single_file:
-        name = "_".join(parts) + default_suffix(to)
-    elif to == "zarr":
-        name = "_".join(parts) + ".zarr"
-    elif to == "dcp" and len(parts) > 1:
+    entry = format_entry(to)
+    if entry.file_output and mesh_label is None and not sharded:
+        name = "_".join(parts) + entry.default_suffix
+    elif entry.folder_suffix:
+        name = "_".join(parts) + entry.folder_suffix
+    elif entry.default and len(parts) > 1:
         name = "_".join(parts)
-    else:  # a folder: say which format when nothing else does, and never collide with the DCP default
-        name = "_".join(parts + [{"torch-ranks": "torch"}.get(to, to)])
+    else:  # a folder: say which format when nothing else does, and never collide with the default format's
+        name = "_".join(parts + [entry.label or entry.name])
     dst = src.with_name(name)
     if dst.resolve() == src.resolve():
         dst = dst.with_name(f"{stem}_converted{dst.suffix}")
@@ -168,13 +166,14 @@ def convert(
     to = opts.to
     if to is None:
         named_as = dst_path if dst_path is not None else Path(remote_dst.split("://", 1)[1]) if remote_dst else None
-        to = destination_format(named_as, shown=remote_dst) if named_as is not None else "dcp"
+        to = format_for_destination(named_as if named_as is not None else Path(), shown=remote_dst)
     if remote_dst is not None:
         _refuse_overlap(src, remote_dst, opts.storage_options)
     with paused_gc():  # 100k+ tensors: entries, pieces and boxes by the hundred thousand, no cycles
         catalog, to, target, spec = build_target(catalog, to, opts)
     if remote_dst is not None and to not in remote_writes():
-        what = "per-rank torch files" if to == "torch-ranks" else to
+        entry = format_entry(to)
+        what = entry.holds.removeprefix("a folder of ") if not entry.writes and entry.holds else to
         raise UsageError(f"{remote_dst}: reshard writes {', '.join(remote_writes())} to URLs, not {what}; "
                          "write a local DST and upload it")
     cast = str(parse_dtype(opts.dtype)).removeprefix("torch.") if opts.dtype is not None else None
@@ -204,17 +203,9 @@ def convert(
         ranks = mesh_summary(target, detect_layout(catalog)) if target.mesh is not None else None
         return result(time.perf_counter() - start, dry=True, ranks=ranks)
     if remote_dst is not None:  # object stores have no rename: data first, the file that makes a checkpoint last
-        if to == "zarr":
-            from reshard.formats.zarr.remote import write_url
-
-            write_url(remote_dst, plan, target, writer, opts)
-        else:
-            from reshard.remote_output import write_remote
-
-            if world()[1] > 1:
-                raise UsageError(f"{remote_dst}: a URL output is written by one process; run it without torchrun")
-
-            write_remote(remote_dst, plan, target, writer, files, opts)
+        if world()[1] > 1:
+            raise UsageError(f"{remote_dst}: a URL output is written by one process; run it without torchrun")
+        load_target(format_entry(to).url_writer)(remote_dst, plan, target, writer, files, opts)
         return result(time.perf_counter() - start)
     stats = write_output(plan, writer, target, files, dst_path, before, current_workers(), opts,
                          sources=(source.path,) if source.path is not None else (), label=source.label)
@@ -242,31 +233,15 @@ def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOp
     return replace(options, **{k: getattr(from_kwargs, k) for k in given})
 
 
-# Suffixes of files reshard does not write: a DST named so is a mistake, not a DCP folder name.
-_FOREIGN = {".onnx", ".gguf", ".ggml", ".h5", ".hdf5", ".keras", ".tflite", ".pb", ".npz", ".npy", ".json", ".txt",
-            ".msgpack", ".engine", ".trt", ".mlmodel", ".tar", ".gz", ".tgz", ".zip", ".pkl", ".pickle"}
-
-
-def destination_format(dst: Path, shown: str | None = None) -> str:
-    """``--to`` when only DST is given: by its suffix (``.ckpt`` is a torch.save file, as
-    Lightning writes them); no suffix means a DCP folder; a suffix of some other tool's file
-    is refused rather than becoming a DCP folder of that name."""
-    if dst.suffix.lower() in _FOREIGN:
-        raise UsageError(f"{shown or dst}: reshard does not write {dst.suffix} files; name a .safetensors, .pt/.pth/.bin/.ckpt "
-                         "or .zarr output, a folder without a suffix (DCP), or give --to")
-    if dst.suffix.lower() == ".ckpt":
-        return "torch"
-    return format_for_destination(dst)
-
-
 def check_output_options(dst: Path, to: str, opts: ConvertOptions) -> None:
     """Refuse option combinations that would be silently ignored or produce a surprise: a
     format-specific option its format does not take (``FormatEntry.options``), a sharded
     safetensors output named as one file, per-rank state kept without a mesh."""
     _refuse_options_not_taken(to, opts, opts.format_options_set())
-    if opts.shard_bytes is not None and to == "safetensors" and dst.suffix == ".safetensors":
-        raise UsageError(f"{dst}: a sharded safetensors output is a folder (shards + index); give DST without "
-                         f".safetensors, e.g. {dst.with_suffix('')}")
+    entry = format_entry(to)
+    if opts.shard_bytes is not None and entry.file_output and dst.suffix in entry.suffixes:
+        raise UsageError(f"{dst}: a sharded {to} output is a folder (shards + index); give DST without "
+                         f"{dst.suffix}, e.g. {dst.with_suffix('')}")
     if opts.keep_per_rank and opts.mesh is None:
         raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'mesh=')} "
                          "(per-rank state is kept as is otherwise)")
@@ -275,7 +250,7 @@ def check_output_options(dst: Path, to: str, opts: ConvertOptions) -> None:
 def _refuse_options_not_taken(to: str, opts: ConvertOptions, names: list[str]) -> None:
     """A format-specific option given for a format whose writer does not use it: refused,
     naming the formats that take it (their registry entries say so)."""
-    fmt = "torch" if to == "torch-ranks" else to
+    fmt = shown_name(to)
     for name in names:
         if name not in format_options(fmt):
             *rest, last = taking(name)
@@ -361,20 +336,18 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     spec = parse_mesh(mesh) if mesh is not None else None
     conventions = detect_layout(catalog, refuse_ambiguous=decides)
     if spec is None:
-        if only is None and to in ("torch", "safetensors") and conventions.name == "deepspeed":
-            # One file from a ZeRO run is what zero_to_fp32 writes: the fp32 master weights.
-            only = "model"
-            catalog = replace(catalog, notices=[*catalog.notices, "wrote the fp32 master weights only, as DeepSpeed's "
-                                                "zero_to_fp32 does; convert to a DCP folder to keep the optimizer state"])
-        if only == "model" and to in ("torch", "safetensors"):  # a file of the model's own state dict
+        one_file = format_entry(to).file_output
+        if only is None and one_file and conventions.convention.one_file is not None:  # the tool's own one-file export
+            only, said = conventions.convention.one_file
+            catalog = replace(catalog, notices=[*catalog.notices, said])
+        if only == "model" and one_file:  # a file of the model's own state dict
             catalog, only = model_section(catalog, conventions), None
             conventions = detect_layout(catalog, "model")
         return catalog, to, full_target(catalog, dtype=parse_dtype(dtype), only=only, layout=conventions, keep=keep), None
-    if to not in _MESH_FORMATS:
-        raise UsageError(f"--to {to} holds whole tensors; --to-mesh lays out dcp, torch (one file per rank) or zarr")
+    writes = mesh_writer(to)
     target = mesh_target(catalog, spec, load_placement_plan(placements, spec), dtype=parse_dtype(dtype),
                          only=only, keep_per_rank=opts.keep_per_rank, layout=conventions, keep=keep)
-    return catalog, _MESH_FORMATS[to], target, spec
+    return catalog, writes, target, spec
 
 
 def write_output(plan: Plan, writer: Writer, target: Target, files: list[OutputFile], dst: Path,

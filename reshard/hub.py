@@ -32,6 +32,7 @@ _SKIP = (".git", ".cache")  # what upload_folder leaves out (and upload_large_fo
 _LOCAL = ".reshard-"  # reshard's own bookkeeping (the .reshard-manifest.json of `verify --quick`)
 _IGNORE = [".cache/**", ".git/**", f"{_LOCAL}*"]
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_INDEX = "model.safetensors.index.json"  # transformers' SAFE_WEIGHTS_INDEX_NAME
 
 
 def hub_source(src: Path) -> tuple[Path, Path]:
@@ -143,7 +144,7 @@ def check_folder(folder: Path, *, architecture_check: bool = True, notices: list
     tensor of every shard (no stray shard); every header parses; tied weights consistent; the
     tensors are the model config.json describes (``reshard.architecture``, unless
     ``architecture_check`` is off). What the check could not do is added to ``notices``."""
-    from reshard.formats.safetensors.format import INDEX_NAME, SafetensorsFormat
+    from reshard.formats.registry import detect_format
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -161,15 +162,15 @@ def check_folder(folder: Path, *, architecture_check: bool = True, notices: list
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
     if not shards:
         raise CorruptCheckpointError(f"{folder}: no *.safetensors weights to push")
-    catalog = SafetensorsFormat().read(folder)  # validates the index and every header
-    if (folder / INDEX_NAME).is_file():
-        named = json.loads((folder / INDEX_NAME).read_text())["weight_map"].values()
+    catalog = detect_format(folder).read(folder)  # safetensors (there are some): validates the index and every header
+    if (folder / _INDEX).is_file():
+        named = json.loads((folder / _INDEX).read_text())["weight_map"].values()
         stray = sorted(set(shards) - set(named))
         if stray:
-            raise CorruptCheckpointError(f"{folder / stray[0]}: not named by {INDEX_NAME}; transformers would ignore it "
+            raise CorruptCheckpointError(f"{folder / stray[0]}: not named by {_INDEX}; transformers would ignore it "
                                          "(remove it, or re-export the folder)")
     elif shards != ["model.safetensors"]:
-        raise CorruptCheckpointError(f"{folder}: {len(shards)} safetensors files but no {INDEX_NAME} "
+        raise CorruptCheckpointError(f"{folder}: {len(shards)} safetensors files but no {_INDEX} "
                                      "(transformers loads model.safetensors or an indexed set)")
     _check_ties(folder, config, catalog.tensors)
     if architecture_check:

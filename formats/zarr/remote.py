@@ -56,8 +56,8 @@ def _put_chunk(store: RemoteStore, key: str, layout: OutputFile, full: int, plan
 
 
 @without_gc
-def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, options: ConvertOptions) -> int:
-    """Write ``plan`` (laid out by ``writer``) as a zarr store at ``url``; returns bytes put.
+def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, files: list[OutputFile], options: ConvertOptions) -> int:
+    """Write ``plan`` (laid out by ``writer`` as ``files``) as a zarr store at ``url``; returns bytes put.
     Memory: each worker holds one slab (raw) or one chunk and its zstd form (compressed)."""
     max_memory, overwrite, workers = options.budget, options.overwrite, options.workers
     store = RemoteStore(url, options.storage_options)
@@ -68,7 +68,7 @@ def write_url(url: str, plan: Any, target: Target, writer: ZarrWriter, options: 
             raise OutputExistsError(f"{url} already holds {what}; pass {option('--overwrite', 'overwrite=True')} to replace it")
         store.remove()
     arrays = writer.arrays(target)
-    by_key = {f.relpath: f for f in plan.files}
+    by_key = {f.relpath: f for f in files}
     jobs = [(key, by_key[key], a.meta.chunk_nbytes) for a in arrays for key, _ in a.chunks()]
     largest = max((full for _, _, full in jobs), default=1)
     n = workers or max(1, min(4, os.cpu_count() or 1))

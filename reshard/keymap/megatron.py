@@ -22,11 +22,11 @@ from dataclasses import dataclass, replace
 
 from reshard.catalog import Catalog
 from reshard.conventions import PARAM, detect_layout
-from reshard.errors import UsageError
+from reshard.errors import ReshardError, UsageError
 from reshard.keymap.maps import Drop, KeyMap, Rename, Rule, Split, Unstack
 from reshard.keymap.patterns import Pattern, Replacement, template
 
-__all__ = ["MEGATRON_GPT", "MegatronToHF", "megatron_to_hf"]
+__all__ = ["MEGATRON_GPT", "MegatronToHF", "megatron_to_hf", "megatron_heads"]
 
 _Q, _K, _V = ("model.layers.{}.self_attn.q_proj", "model.layers.{}.self_attn.k_proj", "model.layers.{}.self_attn.v_proj")
 
@@ -58,13 +58,27 @@ _STACKED = Unstack(Pattern(r"decoder\.layers\.([A-Za-z_][A-Za-z0-9_.]*)"), Repla
 _MEGATRON_PREFIXES = ("embedding.", "decoder.", "output_layer.", "rotary_pos_emb.", "mtp.")
 
 
+def megatron_heads(catalog: Catalog) -> dict[str, int]:
+    """Head counts from the ``args`` Megatron-LM saves (``n_heads``, ``n_kv_heads``); empty
+    when there are none or they cannot be read."""
+    try:
+        args = catalog.objects["args"] if "args" in catalog.objects else None
+    except ReshardError:  # args holding a class nobody allowed: no head counts from here
+        return {}
+    heads = getattr(args, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return {}
+    groups = getattr(args, "num_query_groups", None)
+    gqa = getattr(args, "group_query_attention", isinstance(groups, int))
+    return {"n_heads": heads, "n_kv_heads": groups if gqa and isinstance(groups, int) else heads}
+
+
 @dataclass(frozen=True)
 class _WithArgs(KeyMap):
     """A key map whose head counts may also come from the ``args`` Megatron-LM saved."""
 
     def param(self, name: str, catalog: Catalog, found: dict[str, int]) -> int:
         if name not in self.params and name not in found:
-            from reshard.formats.megatron import megatron_heads
             from reshard.provenance import model_params
 
             found.update({**megatron_heads(catalog), **model_params(catalog)})

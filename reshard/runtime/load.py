@@ -125,14 +125,14 @@ def _raise_shared(err: tuple[str, str]) -> None:
 
 def _read_catalog(source: Path, keymap: Any, layout: str | None, config: Any = None,
                   section: str | int | None = None) -> Catalog:
-    from reshard.formats.registry import detect_format
+    from reshard.formats.registry import detect_format, format_entry
 
     fmt = detect_format(source)
     if section is None:
         catalog = fmt.read(source)
-    elif fmt.name == "accelerate":  # one model of several, with its optimizer
+    elif format_entry(fmt.name).model_sections:  # one model of several, with its optimizer
         index = _model_index(section)
-        catalog = fmt.read(source, model_index=index)
+        catalog = fmt.read(source, model_index=index)  # type: ignore[call-arg]  # model_sections says it takes it
         catalog.notices.append(f"section={section!r}: model {index} and its optimizer of {source}")
     else:
         catalog = _section_as_model(fmt.read(source), str(section))
