@@ -43,8 +43,9 @@ class FormatEntry:
     folder_suffix: str = ""  # a folder output's name ends so (``ckpt.zarr``)
     label: str = ""  # the word a default folder name ends with (default: the name)
     default: bool = False  # the format of a DST without a known suffix; its default names need no label
-    # "module:function" turning the catalog into what this output holds (names, config, side
-    # files): the HF export's key maps, model section and config.json.
+    # "module:function" (catalog, options, keep) -> (catalog, keep) turning the catalog into what
+    # this output holds (names, config, side files): the HF export's key maps, model section,
+    # config.json, merged adapter and FP8 weights.
     prepare: str | None = None
     # "module:function" writing the output at an fsspec URL: (url, plan, target, writer, files, options).
     url_writer: str = "reshard.remote_output:write_remote"
@@ -86,7 +87,7 @@ FORMATS: list[FormatEntry] = [
     # A write target only (an HF model folder); HF folders are detected as safetensors.
     FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True,
                 options=("max_shard_size", "hf_assets", "weights_only", "architecture_check", "merge_lora", "quantize"),
-                remote=True, prepare="reshard.formats.hf.format:export_catalog"),
+                remote=True, prepare="reshard.export:prepare_hf"),
 ]
 _cache: dict[str, Format] = {}
 

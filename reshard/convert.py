@@ -273,16 +273,17 @@ def excluded(catalog: Catalog, globs: str | list[str] | None) -> Catalog:
 
 
 def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catalog, str, Target, MeshSpec | None]:
-    """What ``to`` will hold: the catalog renamed by ``keymap`` (and cut to HF model tensors for
-    ``hf``), the writer's format name, the target, and the mesh. Every check that can refuse the
+    """What ``to`` will hold: the catalog renamed by ``keymap`` (and made what the output holds
+    by its registry entry's ``prepare``: HF model tensors for ``hf``), the writer's format name,
+    the target, and the mesh. Every check that can refuse the
     conversion runs here, before a byte is written; local and URL conversions share it."""
     mesh, placements, dtype, only, keymap = opts.mesh, opts.placements, opts.dtype, opts.only, opts.keymap
     layout, config = opts.layout, opts.config
     if placements is not None and mesh is None:
         raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")
-    # Before an HF export reads anything: the options only it takes.
-    _refuse_options_not_taken(to, opts, [n for n in opts.format_options_set()
-                                         if n in ("hf_assets", "weights_only", "architecture_check", "merge_lora", "quantize")])
+    # Before anything is read for it (an HF export reads configs, adapters): options this output does not take.
+    _refuse_options_not_taken(to, opts, opts.format_options_set())
+    prepare = format_entry(to).prepare
     keep = DtypeKeep(opts.keep_dtype)
     if keep.patterns and dtype is None and opts.quantize is None:
         raise UsageError(f"{option('--keep-dtype', 'keep_dtype=')} applies with {option('--dtype', 'dtype=')} "
@@ -293,11 +294,11 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     # What the source's layout calls a parameter decides the output when anything but a plain
     # copy is asked for: then refuse an ambiguous one before anything else, and say which one
     # was used and why.
-    decides = mesh is not None or dtype is not None or only is not None or keymap is not None or to == "hf"
+    decides = mesh is not None or dtype is not None or only is not None or keymap is not None or prepare is not None
     if decides:
         catalog = replace(catalog, notices=[*catalog.notices, *layout_notices(detect_layout(catalog))])
     if config is not None:  # what model these tensors are: key maps and the HF export read it
-        from reshard.formats.hf.files import load_config
+        from reshard.export import load_config
 
         catalog = replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config), "hf_config_given": True})
     catalog = excluded(catalog, opts.exclude)
@@ -310,22 +311,8 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
         from reshard.keymap.lookup import load_keymap
 
         catalog = load_keymap(keymap).apply(catalog)
-    if to == "hf":  # model tensors under HF names, with config.json (reshard.formats.hf.format)
-        from reshard.formats.hf.format import export_catalog
-
-        catalog = export_catalog(catalog, max_memory=opts.budget,
-                                 assets=None if opts.hf_assets is None else str(opts.hf_assets),
-                                 weights_only=opts.weights_only)
-        if opts.merge_lora is not None:  # W + scaling * (B @ A), computed as the weights stream (reshard.lora)
-            from reshard.lora import merged
-
-            catalog = merged(catalog, opts.merge_lora)
-        if opts.quantize is not None:  # FP8 values and scales, computed as they stream (reshard.quantize)
-            from reshard.quantize import quantized
-
-            plain = catalog.tensors
-            catalog = quantized(catalog, opts.quantize, keep)
-            keep = DtypeKeep(keep.patterns, fixed=[n for n, t in catalog.tensors.items() if plain.get(n) is not t])
+    if prepare is not None:  # what this output holds, by its own rules (the HF export: reshard.export)
+        catalog, keep = load_target(prepare)(catalog, opts, keep)
     else:  # an HF source's config.json travels as objects, for a later --to hf
         from reshard.provenance import carry_hf_configs
 

@@ -145,6 +145,7 @@ def check_folder(folder: Path, *, architecture_check: bool = True, notices: list
     tensors are the model config.json describes (``reshard.architecture``, unless
     ``architecture_check`` is off). What the check could not do is added to ``notices``."""
     from reshard.formats.registry import detect_format
+    from reshard.json_file import read_json
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -153,12 +154,7 @@ def check_folder(folder: Path, *, architecture_check: bool = True, notices: list
     if not config_path.is_file():
         raise CorruptCheckpointError(f"{folder}: no config.json, so transformers cannot load it; export with "
                                      "`reshard convert SRC --to hf` from a checkpoint that records its config, or add one")
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
-        raise CorruptCheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CorruptCheckpointError(f"{config_path}: not a JSON object")
+    config = read_json(config_path, "config.json")
     shards = sorted(p.name for p in folder.glob("*.safetensors"))
     if not shards:
         raise CorruptCheckpointError(f"{folder}: no *.safetensors weights to push")

@@ -107,7 +107,7 @@ def _folder(spec: str | Path) -> Path:
 
 
 def _config(folder: Path) -> dict[str, Any]:
-    from reshard.formats.hf.files import read_json
+    from reshard.json_file import read_json
 
     config = read_json(folder / CONFIG, CONFIG)
     where = folder / CONFIG

@@ -137,7 +137,7 @@ def _read_catalog(source: Path, keymap: Any, layout: str | None, config: Any = N
     else:
         catalog = _section_as_model(fmt.read(source), str(section))
     if config is not None:  # what model these tensors are: key maps read its head counts
-        from reshard.formats.hf.files import load_config
+        from reshard.export import load_config
 
         catalog.attrs["hf_config"] = load_config(config)
     if layout is not None:
