@@ -122,3 +122,40 @@ def test_the_scan_sees_a_circle() -> None:
     graph = import_graph()
     graph["reshard.sizes"].add("reshard.convert")  # sizes is imported (indirectly) by convert
     assert any("reshard.sizes" in c for c in circles(graph))
+
+
+def format_imports_of_core(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(core module, format module) for every import of a format module by a module outside
+    ``reshard.formats`` other than through the registry."""
+    return sorted((module, name) for module, names in graph.items() if not module.startswith("reshard.formats")
+                  for name in names if name.startswith("reshard.formats.") and name != "reshard.formats.registry")
+
+
+def test_the_core_reaches_formats_only_through_the_registry() -> None:
+    """Formats build on the core, never the reverse: the core asks the registry for what a
+    format can do (docs/architecture.md)."""
+    assert format_imports_of_core(import_graph()) == []
+
+
+def test_the_rule_sees_a_core_module_importing_a_format() -> None:
+    assert format_imports_of_core({"reshard.convert": {"reshard.formats.registry", "reshard.formats.hf.format"},
+                                   "reshard.formats.hf.format": {"reshard.catalog", "reshard.formats.safetensors"}}) == [
+        ("reshard.convert", "reshard.formats.hf.format")]
+    graph = import_graph()
+    graph["reshard.verify"].add("reshard.formats.zarr.meta")
+    assert ("reshard.verify", "reshard.formats.zarr.meta") in format_imports_of_core(graph)
+
+
+def _string_constants(path: Path) -> set[str]:
+    return {node.value for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def test_convert_names_no_format() -> None:
+    """What a format can do is its registry entry's: convert.py compares no format name."""
+    from reshard.formats.registry import FORMATS
+
+    names = {e.name for e in FORMATS}
+    assert len(names) > 8
+    assert _string_constants(ROOT / "reshard" / "convert.py") & names == set()
+    assert _string_constants(ROOT / "formats" / "registry.py") & names == names  # the scan sees the table's names

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import reshard
 from reshard.cli import main
 from reshard.formats import registry
 from reshard.formats.registry import FormatEntry, register_format
@@ -20,7 +21,7 @@ def toy_registered(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(registry, "FORMATS", list(registry.FORMATS))  # the test's own copy of the table
     monkeypatch.setattr(registry, "_cache", dict(registry._cache))
     register_format(FormatEntry("toy", "tests.formats.toy_format:ToyFormat", "a toy folder with toy.json",
-                                writes=True, suffixes=(".toy",)), before="torch")
+                                writes=True, suffixes=(".toy",), mesh_writer="toy", remote=True), before="torch")
 
 
 def test_a_format_is_one_module_and_one_registry_line(toy_registered, fsdp2_dcp, fsdp2_reference, tmp_path: Path,
@@ -49,3 +50,35 @@ def test_a_format_is_one_module_and_one_registry_line(toy_registered, fsdp2_dcp,
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "junk")]) == 2
     assert "a toy folder with toy.json" in capsys.readouterr().err
+
+
+def _model(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in reference.items() if k.startswith("model.")}
+
+
+def test_a_format_that_holds_mesh_layouts_is_written_for_a_mesh_and_to_urls(toy_registered, fsdp2_dcp, fsdp2_reference,
+                                                                              tmp_path: Path) -> None:
+    """Its entry says it holds mesh layouts and is written to URLs: --to-mesh 3 to a local
+    folder and to memory://, each read back exactly (3 ranks: uneven shards of the model)."""
+    import fsspec
+
+    want = _model(fsdp2_reference)
+    local = tmp_path / "mesh.toy"
+    assert main(["convert", str(fsdp2_dcp[0]), str(local), "--to-mesh", "3", "--only", "model", "--quiet"]) == 0
+    assert sorted(p.name for p in local.glob("data-*.bin")) == ["data-0.bin", "data-1.bin", "data-2.bin"]
+    url = "memory://toys/mesh.toy"
+    try:
+        result = reshard.convert(fsdp2_dcp[0], url, to="toy", mesh="3", only="model", quiet=True)
+        assert result.format == "toy" and result.dst == url
+        for src in (local, url):
+            catalog = reshard.inspect(src)
+            assert catalog.format == "toy" and len(catalog.tensors) == len(want)
+            assert {len(t.chunks) for t in catalog.tensors.values() if t.shape and t.shape[0] >= 3} == {3}
+            back = tmp_path / f"back_{len(list(tmp_path.iterdir()))}.safetensors"
+            reshard.convert(src, back, quiet=True)
+            theirs = load_file(back)  # safetensors' own reader
+            assert theirs.keys() == want.keys()
+            for name, value in want.items():
+                assert torch.equal(theirs[name], value), name
+    finally:
+        fsspec.filesystem("memory").rm("/toys", recursive=True)

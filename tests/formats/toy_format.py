@@ -1,13 +1,18 @@
 """A toy format, as a contributor would add one: this module plus one registry entry (see
 tests/formats/test_toy_format.py). A ``NAME.toy/`` folder holds ``data.bin`` (each tensor's
-C-order bytes, one after another) and ``toy.json`` (each tensor's dtype, shape and offset)."""
+C-order bytes, one after another; ``data-<rank>.bin``, one per rank, when laid out for a mesh)
+and ``toy.json`` (each tensor's dtype, shape and chunks: box, file and offset), written last:
+the file that makes the folder a checkpoint. It reads and writes local folders and URLs alike
+(``reshard.storage`` paths), and holds mesh layouts: the engine, staging and URL writing are
+the core's."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from reshard.boxes import full_box
+from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.dtypes import dtype_name, parse_dtype
 from reshard.errors import CorruptCheckpointError
@@ -15,24 +20,28 @@ from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile, Piece
 from reshard.regions import StoredRegion
 
+INDEX = "toy.json"
+
 
 class ToyFormat:
     name = "toy"
 
-    def detect(self, path: Path) -> bool:
-        return path.is_dir() and (path / "toy.json").is_file()
+    def detect(self, path: Any) -> bool:
+        return path.is_dir() and (path / INDEX).is_file()
 
-    def read(self, path: Path) -> Catalog:
-        path = Path(path)
+    def read(self, path: Any) -> Catalog:
+        path = Path(path) if isinstance(path, str) else path
         try:
-            index = json.loads((path / "toy.json").read_text())["tensors"]
+            index = json.loads((path / INDEX).read_text())["tensors"]
         except (OSError, ValueError, KeyError) as e:
-            raise CorruptCheckpointError(f"{path / 'toy.json'}: not a toy index ({e})") from None
+            raise CorruptCheckpointError(f"{path / INDEX}: not a toy index ({e})") from None
         catalog = Catalog(format=self.name, path=path)
         for name, t in index.items():
             shape, dtype = tuple(t["shape"]), parse_dtype(t["dtype"])
-            region = StoredRegion(path / "data.bin", int(t["offset"]), dtype, shape)
-            catalog.tensors[name] = TensorEntry(name, shape, dtype, [Chunk(full_box(shape), region)])
+            chunks = [Chunk(Box(tuple(c["offsets"]), tuple(c["sizes"])),
+                            StoredRegion(path / c["file"], int(c["offset"]), dtype, tuple(c["sizes"])))
+                      for c in t["chunks"]]
+            catalog.tensors[name] = TensorEntry(name, shape, dtype, chunks)
         return catalog
 
     def writer(self, dst: Path, options: ConvertOptions | None = None) -> ToyWriter:
@@ -44,16 +53,21 @@ class ToyWriter:
     finish_rewrites_data = False
 
     def layout(self, target: Target) -> list[OutputFile]:
-        data = OutputFile("data.bin")
+        names = ["data.bin"] if target.world_size == 1 else [f"data-{r}.bin" for r in range(target.world_size)]
+        files = [OutputFile(n) for n in names]
         for t in target.tensors.values():
-            data.segments.append(Piece(t.name, t.boxes[0], t.dtype))
-        return [data]
+            for box, rank in zip(t.boxes, t.ranks):
+                files[rank].segments.append(Piece(t.name, box, t.dtype))
+        return [f for f in files if f.segments] or files[:1]
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
-        offsets = {seg.name: at for at, seg in zip(files[0].offsets(), files[0].segments)}
-        index = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "offset": offsets[name]}
-                 for name, t in target.tensors.items()}
-        (staging / "toy.json").write_text(json.dumps({"tensors": index}))
+        index: dict[str, Any] = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "chunks": []}
+                                 for name, t in target.tensors.items()}
+        for file in files:
+            for at, seg in zip(file.offsets(), file.segments):
+                index[seg.name]["chunks"].append({"offsets": list(seg.box.offsets), "sizes": list(seg.box.sizes),
+                                                  "file": file.relpath, "offset": at})
+        (staging / INDEX).write_text(json.dumps({"tensors": index}))
 
     def notices(self, target: Target) -> list[str]:
         return [f"toy holds tensors only: {len(target.objects)} objects not written"] if target.objects else []
