@@ -152,7 +152,11 @@ def check_architecture(config: Mapping[str, Any], tensors: Mapping[str, Any]) ->
             if problem:
                 built.errors.insert(0, problem)
             return built
-        result = _load(built, tensors)
+        try:
+            result = _load(built, tensors)
+        except (TypeError, AttributeError, ImportError) as e:  # transformers' loader internals moved
+            return ArchitectureCheck(built.architecture, False, f"transformers {transformers.__version__}'s loader did "
+                                                                f"not take the check's call ({_first_line(e)})")
     if problem:
         result.errors.insert(0, problem)
     return result

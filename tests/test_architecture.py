@@ -146,6 +146,17 @@ def test_an_architecture_that_cannot_be_checked_is_said(llama: Path, tmp_path: P
     assert said in result.notices
     assert f"| architecture check | {said} |" in (tmp_path / "out" / "README.md").read_text()
 
+    import transformers.core_model_loading as loading
+
+    def moved(**kwargs: object) -> None:  # a later transformers whose loader takes other arguments
+        raise TypeError("convert_and_load_state_dict_in_model() got an unexpected keyword argument 'model'")
+
+    monkeypatch.setattr(loading, "convert_and_load_state_dict_in_model", moved)
+    result = reshard.convert(llama, tmp_path / "out3", to="hf", quiet=True)
+    assert any(n.startswith(f"not checked against an architecture: transformers {transformers.__version__}'s loader "
+                            "did not take the check's call") for n in result.notices), result.notices
+    monkeypatch.undo()
+
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
     result = reshard.convert(llama, tmp_path / "out2", to="hf", quiet=True)
     assert "not checked against an architecture: transformers is not installed (pip install transformers)" in result.notices
