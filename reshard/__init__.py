@@ -44,13 +44,13 @@ _LAZY = {
 }
 
 
-def inspect(path: str | os.PathLike, *, layout: str | None = None) -> Catalog:
+def inspect(path: str | os.PathLike, *, layout: str | None = None, storage_options: dict[str, Any] | None = None) -> Catalog:
     """The catalog of checkpoint ``path`` (a path, a zarr URL, or a Hub repo id as ``convert``
     takes them): every tensor's shape, dtype and chunks, and the objects. Reads metadata only,
     never tensor data, and does not import torch: a tensor's ``dtype`` is a
     ``reshard.dtypes.DType`` (torch's name and width; ``.torch`` gives torch's dtype).
     ``layout`` names the tool whose conventions the checkpoint follows when detection gets it
-    wrong (``reshard.conventions``).
+    wrong (``reshard.conventions``); ``storage_options`` are fsspec arguments for a URL.
 
     >>> cat = reshard.inspect("ckpt/")
     >>> cat                      # a one-screen summary; print(cat.table()) for every tensor
@@ -58,7 +58,7 @@ def inspect(path: str | os.PathLike, *, layout: str | None = None) -> Catalog:
     """
     from reshard.sources import read_catalog
 
-    catalog = read_catalog(path)
+    catalog = read_catalog(path, storage_options)
     if layout is not None:
         from reshard.conventions import detect_layout
 

@@ -26,7 +26,6 @@ from reshard.errors import ReshardError, UsageError, speaking_cli
 from reshard.log import LOGGER, to_stderr
 
 SCHEMA_VERSION = 1
-_MIN_MEMORY = 1 << 20
 
 
 class _Command(TyperCommand):
@@ -94,11 +93,19 @@ AsJson = Annotated[bool, typer.Option("--json", help="Print one JSON object (sch
 
 
 def _storage_options(value: Optional[str]) -> Optional[str]:
+    """``--storage-options JSON`` refused early when it is not a JSON object; each command
+    passes it to its own options (``_store``), never as process-wide state."""
     if value is not None:
-        from reshard.storage import parse_storage_options, set_default_storage_options
+        from reshard.storage import parse_storage_options
 
-        set_default_storage_options(parse_storage_options(value))
+        parse_storage_options(value)
     return value
+
+
+def _store(value: Optional[str]) -> dict[str, Any] | None:
+    from reshard.storage import parse_storage_options
+
+    return parse_storage_options(value) or None
 
 
 StorageOptions = Annotated[Optional[str], typer.Option(
@@ -143,11 +150,9 @@ def _allow(names: list[str] | None) -> None:
 
 
 def _check_memory(max_memory: str) -> None:
-    from reshard.sizes import format_size, parse_size
+    from reshard.options import MIN_MEMORY, check_budget
 
-    if parse_size(max_memory) < _MIN_MEMORY:
-        raise UsageError(f"--max-memory {max_memory}: {format_size(parse_size(max_memory))} is too small to work in; "
-                         "give at least 1MiB, e.g. 512MiB")
+    check_budget(max_memory, MIN_MEMORY)
 
 
 def _version(value: bool) -> None:
@@ -191,7 +196,7 @@ def inspect(
 
     import reshard
 
-    catalog = reshard.inspect(src, layout=layout)
+    catalog = reshard.inspect(src, layout=layout, storage_options=_store(storage_options))
     summary = None
     if to_mesh is not None:
         from reshard.mesh.report import summarize_for_mesh
@@ -265,7 +270,7 @@ def convert(
         architecture_check=not no_architecture_check, merge_lora=merge_lora, keep_dtype=keep_dtype, quantize=quantize,
         max_memory=max_memory,
         max_shard_size=max_shard_size, compress=compress, keep_per_rank=keep_per_rank, overwrite=overwrite,
-        quiet=quiet or as_json, fsync=fsync, dry_run=dry_run)
+        quiet=quiet or as_json, fsync=fsync, dry_run=dry_run, storage_options=_store(storage_options))
     with torchrun_group() as rank:  # under torchrun the ranks split the work; rank 0 reports
         result = reshard.convert(src, dst, options)
     if rank != 0:
@@ -324,6 +329,7 @@ def verify(
     else:
         _check_memory(max_memory)
         result = reshard.verify(a, b, atol=atol, rtol=rtol, max_memory=max_memory, keymap=keymap, only=only,
+                                storage_options=_store(storage_options),
                                 progress=not (quiet or as_json))
     if as_json:
         _emit_json("verify", {**result.to_json(), "quick": quick})

@@ -236,15 +236,13 @@ def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOp
 def check_output_options(dst: Path, to: str, opts: ConvertOptions) -> None:
     """Refuse option combinations that would be silently ignored or produce a surprise: a
     format-specific option its format does not take (``FormatEntry.options``), a sharded
-    safetensors output named as one file, per-rank state kept without a mesh."""
+    safetensors output named as one file (what needs no output is checked when the options are
+    built: ``ConvertOptions``)."""
     _refuse_options_not_taken(to, opts, opts.format_options_set())
     entry = format_entry(to)
     if opts.shard_bytes is not None and entry.file_output and dst.suffix in entry.suffixes:
         raise UsageError(f"{dst}: a sharded {to} output is a folder (shards + index); give DST without "
                          f"{dst.suffix}, e.g. {dst.with_suffix('')}")
-    if opts.keep_per_rank and opts.mesh is None:
-        raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'mesh=')} "
-                         "(per-rank state is kept as is otherwise)")
 
 
 def _refuse_options_not_taken(to: str, opts: ConvertOptions, names: list[str]) -> None:
@@ -279,15 +277,10 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     conversion runs here, before a byte is written; local and URL conversions share it."""
     mesh, placements, dtype, only, keymap = opts.mesh, opts.placements, opts.dtype, opts.only, opts.keymap
     layout, config = opts.layout, opts.config
-    if placements is not None and mesh is None:
-        raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")
     # Before anything is read for it (an HF export reads configs, adapters): options this output does not take.
     _refuse_options_not_taken(to, opts, opts.format_options_set())
     prepare = format_entry(to).prepare
     keep = DtypeKeep(opts.keep_dtype)
-    if keep.patterns and dtype is None and opts.quantize is None:
-        raise UsageError(f"{option('--keep-dtype', 'keep_dtype=')} applies with {option('--dtype', 'dtype=')} "
-                         f"or {option('--quantize', 'quantize=')} (nothing is cast otherwise)")
     if layout is not None:
         detect_layout(catalog, layout)  # an unknown name is a usage error now, not after the keymap
         catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout, "layout_given": True})

@@ -2,6 +2,10 @@
 ``reshard.convert`` from its keyword arguments) and handed down: the planning stages, the
 engine and each format's writer read the fields they need from it.
 
+A value is checked when it is built (sizes and the budget's floor, dtype and mesh names,
+options that need another), so the API and the CLI refuse the same things with the same
+message, each naming the option as its caller wrote it, before any source is opened.
+
 Which options a format's writer uses beyond the common ones is declared in its registry entry
 (``FormatEntry.options``); asking another format for one is refused, naming the formats
 that take it.
@@ -16,7 +20,21 @@ from typing import Any
 from reshard.errors import UsageError, option
 from reshard.sizes import parse_size
 
-__all__ = ["ConvertOptions", "FORMAT_OPTIONS"]
+__all__ = ["ConvertOptions", "FORMAT_OPTIONS", "MIN_MEMORY", "check_budget"]
+
+MIN_MEMORY = 1 << 20  # the command line's floor: a smaller --max-memory is a slip (512 meaning 512MiB)
+
+
+def check_budget(max_memory: str | int, floor: int = 1) -> int:
+    """``max_memory`` in bytes; a usage error below ``floor`` (the API moves data even in a
+    few bytes, as the tests do to force slabs; the CLI asks for ``MIN_MEMORY``)."""
+    from reshard.sizes import format_size
+
+    budget = parse_size(max_memory)
+    if budget < floor:
+        raise UsageError(f"{option(f'--max-memory {max_memory}', f'max_memory={max_memory!r}')}: {format_size(budget)} is "
+                         f"too small to work in; give at least {format_size(floor)}, e.g. 512MiB")
+    return budget
 
 # Options only some formats' writers use: name -> (CLI flag, API argument).
 FORMAT_OPTIONS = {
@@ -57,6 +75,27 @@ class ConvertOptions:
     fsync: bool = False  # durable against power loss when it appears
     dry_run: bool = False  # plan and check everything, write nothing
     storage_options: dict[str, Any] | None = None  # fsspec arguments for URL sources and outputs
+
+    def __post_init__(self) -> None:
+        check_budget(self.max_memory)
+        if self.max_shard_size is not None:
+            parse_size(self.max_shard_size)
+        if self.dtype is not None:
+            from reshard.dtypes import parse_dtype
+
+            parse_dtype(self.dtype)
+        if self.mesh is not None:
+            from reshard.mesh.sharding import parse_mesh
+
+            parse_mesh(self.mesh)
+        elif self.placements is not None:
+            raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")
+        elif self.keep_per_rank:
+            raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'mesh=')} "
+                             "(per-rank state is kept as is otherwise)")
+        if self.keep_dtype and self.dtype is None and self.quantize is None:
+            raise UsageError(f"{option('--keep-dtype', 'keep_dtype=')} applies with {option('--dtype', 'dtype=')} "
+                             f"or {option('--quantize', 'quantize=')} (nothing is cast otherwise)")
 
     @classmethod
     def of(cls, given: dict[str, Any]) -> ConvertOptions:

@@ -44,7 +44,7 @@ class Source:
 @without_gc
 def resolve_source(src: str | os.PathLike, storage_options: dict | None = None) -> Source:
     """Read ``src``'s catalog (metadata only) wherever it is. ``storage_options``: fsspec
-    arguments for a URL (beside the CLI's ``--storage-options``)."""
+    arguments for a URL (``--storage-options``), beside the store's own environment."""
     from reshard.formats.registry import detect_format
 
     path = local_path(src)
@@ -68,6 +68,6 @@ def resolve_source(src: str | os.PathLike, storage_options: dict | None = None) 
     return Source(path, detect_format(path).read(path), path, beside)
 
 
-def read_catalog(src: str | os.PathLike) -> Catalog:
+def read_catalog(src: str | os.PathLike, storage_options: dict | None = None) -> Catalog:
     """The catalog of ``src``, metadata only."""
-    return resolve_source(src).catalog
+    return resolve_source(src, storage_options).catalog

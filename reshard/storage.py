@@ -30,10 +30,9 @@ from typing import Any, BinaryIO
 from reshard.errors import UsageError
 
 __all__ = ["is_url", "RemotePath", "RemoteFile", "as_location", "open_read", "handle_size", "close", "pread_into",
-           "set_default_storage_options", "parse_storage_options", "storage_options_for", "forget_cached", "will_read"]
+           "parse_storage_options", "forget_cached", "will_read"]
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
-_defaults: dict[str, Any] = {}
 
 
 def is_url(location: object) -> bool:
@@ -55,14 +54,6 @@ def parse_storage_options(text: str | None) -> dict[str, Any]:
     return value
 
 
-def set_default_storage_options(options: dict[str, Any]) -> None:
-    """The options every URL of this process is opened with (the CLI's ``--storage-options``)."""
-    _defaults.clear()
-    _defaults.update(options)
-
-
-def storage_options_for(given: dict[str, Any] | None) -> dict[str, Any]:
-    return {**_defaults, **(given or {})}
 
 
 @dataclass(frozen=True)
@@ -91,7 +82,7 @@ class RemotePath:
 
         protocol = url.split("://", 1)[0]
         try:
-            fs, path = fsspec.core.url_to_fs(url, **storage_options_for(storage_options))
+            fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except ImportError as e:
             raise UsageError(f"{url}: {protocol}:// URLs need an fsspec backend that is not installed "
                              f"({e}); e.g. pip install s3fs (s3://), gcsfs (gs://), adlfs (az://)") from None

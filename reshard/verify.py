@@ -262,6 +262,7 @@ def verify(
     keymap: Any = None,
     only: str | None = None,
     progress: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> VerifyResult:
     """Compare checkpoints ``a`` and ``b``; ``result.ok`` is True when they match (``equal``:
     bit for bit; ``within_tolerance`` when ``atol``/``rtol`` were given).
@@ -280,8 +281,8 @@ def verify(
     """
     _check_tolerance(atol, "atol")
     _check_tolerance(rtol, "rtol")
-    ca: Catalog = read_catalog(a)
-    cb: Catalog = read_catalog(b)
+    ca: Catalog = read_catalog(a, storage_options)
+    cb: Catalog = read_catalog(b, storage_options)
     a, b = ca.path, cb.path
     if keymap is not None:
         from reshard.keymap.lookup import load_keymap
