@@ -159,3 +159,17 @@ def test_convert_names_no_format() -> None:
     assert len(names) > 8
     assert _string_constants(ROOT / "reshard" / "convert.py") & names == set()
     assert _string_constants(ROOT / "formats" / "registry.py") & names == names  # the scan sees the table's names
+
+
+def print_calls(tree: ast.AST) -> list[int]:
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print"]
+
+
+def test_the_library_prints_nothing() -> None:
+    """What the library says goes to the ``reshard`` logger (reshard.log); printing is the
+    CLI's job, through typer (and a launch's, through a handler it attaches)."""
+    found = {str(path.relative_to(ROOT)): lines for path in _modules().values()
+             if (lines := print_calls(ast.parse(path.read_text())))}
+    assert found == {}
+    assert print_calls(ast.parse("def f():\n    print('x', flush=True)\n")) == [2]  # the scan sees one

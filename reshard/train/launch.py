@@ -12,9 +12,13 @@ input with exit 2 and one line, not a rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ import torch.distributed as dist
 from reshard import errors
 from reshard.errors import ReshardError, UsageError
 from reshard.train.checkpoint import latest_checkpoint
-from reshard.train.loop import TrainConfig, TrainResult, check_config, train
+from reshard.train.loop import TRAIN_LOG, TrainConfig, TrainResult, check_config, train
 
 __all__ = ["launch", "spawn", "train_json", "under_torchrun"]
 
@@ -91,9 +95,32 @@ def spawn(fn: Any, nproc: int, *args: Any, device: str = "auto", timeout: float 
         return json.loads(Path(tmp, "result.json").read_text())
 
 
+@contextlib.contextmanager
+def _log_on_stdout(enabled: bool) -> Iterator[None]:
+    """The run's per-step lines on this process's stdout (rank 0 says them), as ``reshard
+    train`` shows them; a process that launches training is the one place that decides where
+    its log goes."""
+    if not enabled:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved = TRAIN_LOG.level, TRAIN_LOG.propagate
+    TRAIN_LOG.addHandler(handler)
+    TRAIN_LOG.setLevel(logging.INFO)
+    TRAIN_LOG.propagate = False
+    try:
+        yield
+    finally:
+        TRAIN_LOG.removeHandler(handler)
+        TRAIN_LOG.setLevel(saved[0])
+        TRAIN_LOG.propagate = saved[1]
+
+
 def train_json(cfg: TrainConfig) -> dict[str, Any]:
     """``train`` with a JSON-able result, for ``spawn``."""
-    return train(cfg).to_json()
+    with _log_on_stdout(cfg.log):
+        return train(cfg).to_json()
 
 
 def launch(cfg: TrainConfig, nproc: int | None = None, *, device: str = "auto", timeout: float = 3600.0) -> TrainResult:
@@ -107,7 +134,8 @@ def launch(cfg: TrainConfig, nproc: int | None = None, *, device: str = "auto", 
         cuda = _use_cuda(int(os.environ.get("LOCAL_WORLD_SIZE", world)), device)
         dist.init_process_group(_backend(cuda))
         try:
-            return train(cfg)
+            with _log_on_stdout(cfg.log):
+                return train(cfg)
         finally:
             dist.destroy_process_group()
     ranks = check_config(cfg).world_size

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -28,12 +27,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from reshard.errors import UsageError
+from reshard.log import LOGGER
 from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.train.checkpoint import latest_checkpoint, save_checkpoint, state_digest, train_objects
 from reshard.train.data import SyntheticTokens
 from reshard.train.model import ModelConfig, Transformer
 
 __all__ = ["TrainConfig", "TrainResult", "WarmupCosine", "train", "check_config", "build_mesh", "train_device"]
+
+TRAIN_LOG = LOGGER.getChild("train")  # per-step lines; reshard.train.launch shows them on stdout
 
 
 @dataclass
@@ -177,8 +179,9 @@ def _source_config(source: Path, fallback: ModelConfig) -> tuple[ModelConfig, di
 
 
 def _say(msg: str) -> None:
+    """A line of the run's log, from rank 0 (``reshard.train`` logger: the launch shows it on stdout)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, file=sys.stdout, flush=True)
+        TRAIN_LOG.info(msg)
 
 
 def _resume(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR,
