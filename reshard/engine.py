@@ -339,6 +339,10 @@ def _contiguous(t: np.ndarray | torch.Tensor, into: np.ndarray) -> np.ndarray | 
     return t if t.is_contiguous() else _buffer(_tensor_of(into), tuple(t.shape), dtypes.of(t.dtype)).copy_(t)
 
 
+def _import_torch() -> None:
+    import torch  # noqa: F401
+
+
 def _tensor_of(scratch: np.ndarray) -> torch.Tensor:
     """uint8 scratch as a tensor for the torch path (same memory)."""
     import torch
@@ -377,6 +381,16 @@ class Engine:
         self._stop = threading.Event()
         self._active_workers, self._slab_memory = self.workers, max_memory
         self._scratch = _Scratch()
+        self._torch_ready = False
+
+    def _import_torch_for(self, dtype: DType, sources: list[Source], bar: Progress) -> None:
+        """torch imported before the first piece that needs it (a cast, a computed source), as
+        start-up: seconds on a loaded machine that the progress rate must not count as work."""
+        if self._torch_ready or moves_bytes(dtype, sources):
+            return
+        with bar.starting_up():
+            _import_torch()
+        self._torch_ready = True
 
     def _workers_for(self, plan: Plan) -> tuple[int, int]:
         """(workers, memory for their slabs). Where source chunks must be decoded whole
@@ -442,6 +456,7 @@ class Engine:
                 stats.add(kernel=n)
                 bar.update(n)
             return
+        self._import_torch_for(piece.dtype, sources, bar)
         at = offset
         slab_bytes = self._slab_bytes(piece, sources)
         scratch = self._scratch.take(slab_bytes)
@@ -506,6 +521,7 @@ class Engine:
         columns of the block written where those rows sit in its file."""
         items, sources = group.items, group.sources
         dtype = items[0][2].dtype
+        self._import_torch_for(dtype, sources, bar)
         item = dtype.itemsize
         split = -(-group.block_bytes // 64) * 64  # aligned for any dtype's view
         scratch = self._scratch.take(split + group.block_bytes)
