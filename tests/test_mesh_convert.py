@@ -15,6 +15,7 @@ import torch
 
 import reshard
 from reshard.mesh.sharding import parse_mesh, parse_placement, rank_coordinate, shard_box
+from reshard.sizes import format_size
 from tests.dist import run_world
 
 # Shapes x placements x meshes DTensor must agree with us on: uneven dims, dims smaller
@@ -208,3 +209,40 @@ def test_mesh_parsing_and_refusals(fsdp2_dcp, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="1-D mesh"):
         reshard.convert(src, tmp_path / "e", mesh="2x2", placements="fsdp", quiet=True)
     assert not any(tmp_path.glob("[abcde]*")) and not any(tmp_path.glob(".*reshard-*"))
+
+
+def _named_ranks(label: str) -> list[int]:
+    """The ranks a row of the --to-mesh table names: ``0-1, 8-9, ..., 120-121 (every 8)``."""
+    every = None
+    if label.endswith(")"):
+        label, _, step = label.rpartition(" (every ")
+        every = int(step[:-1])
+    runs = [tuple(map(int, part.split("-"))) if "-" in part else (int(part), int(part))
+            for part in label.split(", ") if part != "..."]
+    if every is not None:
+        width = runs[0][1] - runs[0][0]
+        runs = [(a, a + width) for a in range(runs[0][0], runs[-1][0] + 1, every)]
+    return [r for a, b in runs for r in range(a, b + 1)]
+
+
+def test_inspect_to_mesh_names_the_ranks_of_every_row(fsdp2_dcp, capsys) -> None:
+    """Rows of ranks holding the same bytes say which ranks they are, on 2-D meshes too (the
+    replicas of an HSDP mesh are not consecutive), as docs/cli.md shows them."""
+    from reshard.cli import main
+
+    for mesh, world, want in (("4x8", 32, "0-1, 8-9, 16-17, 24-25"), ("16x8", 128, "0-1, 8-9, ..., 120-121 (every 8)"),
+                              ("128", 128, "11-127")):
+        assert main(["inspect", str(fsdp2_dcp[0]), "--to-mesh", mesh, "--json"]) == 0
+        per_rank = {r["rank"]: r["total"] for r in json.loads(capsys.readouterr().out)["target"]["ranks"]}
+        assert main(["inspect", str(fsdp2_dcp[0]), "--to-mesh", mesh]) == 0
+        table = capsys.readouterr().out.split("on mesh ", 1)[1].splitlines()
+        assert table[1].split() == ["params", "optim", "other", "total", "ranks"]
+        rows = table[2:table.index(next(line for line in table if line.startswith("largest rank")))]
+        named = []
+        for row in rows:
+            total, label = row[36:46].strip(), row[48:]
+            ranks = _named_ranks(label)
+            assert {format_size(per_rank[r]) for r in ranks} == {total}, (mesh, row)
+            named += ranks
+        assert sorted(named) == list(range(world)), (mesh, rows)
+        assert any(row.endswith(f"  {want}") for row in rows), (mesh, rows)

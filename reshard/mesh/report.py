@@ -17,7 +17,7 @@ from reshard.mesh.target import mesh_target, uneven_dims
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
 from reshard.sizes import format_size
 
-__all__ = ["mesh_summary", "mesh_table", "summarize_for_mesh"]
+__all__ = ["mesh_summary", "mesh_table", "rank_ranges", "summarize_for_mesh"]
 
 
 _KINDS = {PARAM: "params", OPTIM_STATE: "optim", OPTIM_GROUP: "optim"}
@@ -55,32 +55,35 @@ def mesh_summary(target: Target, layout: Layout) -> dict[str, Any]:
     }
 
 
-def _runs(ranks: list[int]) -> str:
-    """``0-3, 8, 10-11``: consecutive ranks as ranges."""
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ", ".join(out)
+def rank_ranges(ranks: list[int]) -> str:
+    """``0-3, 8-11``: sorted ranks, consecutive ones as ranges. A long regular pattern (the
+    same run every k ranks, as the replicas of an HSDP mesh hold the same shard) is its first
+    two runs, ``...``, the last and the step: ``0-1, 8-9, ..., 504-505 (every 8)``."""
+    runs: list[tuple[int, int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    words = [f"{a}" if a == b else f"{a}-{b}" for a, b in runs]
+    steps = {b[0] - a[0] for a, b in zip(runs, runs[1:])}
+    if len(runs) > 4 and len(steps) == 1 and len({b - a for a, b in runs}) == 1:
+        return f"{words[0]}, {words[1]}, ..., {words[-1]} (every {steps.pop()})"
+    return ", ".join(words)
 
 
 def mesh_table(summary: dict[str, Any]) -> str:
-    """Ranks that hold the same bytes share one row (a 128-rank mesh is a few rows, not 128);
-    the largest and smallest rank are always named."""
+    """Ranks that hold the same bytes share one row (a 128-rank mesh is a few rows, not 128),
+    which names them last (``0-127``); the largest and smallest rank are always named."""
     mesh = summary["mesh"]
     keys = ("params", "optim", "other", "total")
     groups: dict[tuple[int, ...], list[int]] = {}
     for row in summary["ranks"]:
         groups.setdefault(tuple(row[k] for k in keys), []).append(row["rank"])
     lines = [f"on mesh {', '.join(f'{n}={s}' for n, s in zip(mesh['names'], mesh['shape']))}:",
-             f"{'ranks':>12}  {'params':>10}  {'optim':>10}  {'other':>10}  {'total':>10}"]
+             f"{'params':>10}  {'optim':>10}  {'other':>10}  {'total':>10}  ranks"]
     for values, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
-        label = _runs(ranks)
-        label = label if len(label) <= 12 else f"{len(ranks)} ranks"
-        lines.append(f"{label:>12}  " + "  ".join(f"{format_size(v):>10}" for v in values))
+        lines.append("  ".join(f"{format_size(v):>10}" for v in values) + f"  {rank_ranges(ranks)}")
     totals = [(row["total"], row["rank"]) for row in summary["ranks"]]
     if totals:
         most, big = max(totals, key=lambda t: (t[0], -t[1]))
