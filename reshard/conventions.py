@@ -1,7 +1,7 @@
 """How the common training tools lay out a checkpoint, as data, and which one a checkpoint follows.
 
-A flat name alone does not say what a tensor is. ``model.layers.0.w`` is a parameter in our
-checkpoints and in torch's ``{"model": ..., "optim": ...}`` tutorial layout; torchtitan keeps
+A flat name alone does not say what a tensor is. ``model.layers.0.w`` is a parameter in
+torch's ``{"model": ..., "optim": ...}`` tutorial layout (and ours); torchtitan keeps
 the optimizer under ``optimizer.state.<fqn>.<key>`` and its hyper-parameters per parameter
 (``optimizer.param_groups.<fqn>.lr``), and some of its versions put model tensors at the top
 level; torch's ``get_optimizer_state_dict`` saved alone is ``state.<fqn>.<key>``; an HF
@@ -18,7 +18,9 @@ instead of matching names of its own:
 The table below is the whole knowledge; ``detect_layout`` picks the row that explains the
 checkpoint by evidence, not by section names: optimizer state that finds its parameters
 beats a marker section, and a layout that leaves tensors unexplained loses to one that does
-not. When two rows explain a checkpoint about equally but disagree on what its tensors are,
+not. Each row is named after what writes checkpoints that way (``torch-optim``: torch's
+``get_state_dict`` saved as ``{model, optim}``), never after reshard, which only reads them.
+When two rows explain a checkpoint about equally but disagree on what its tensors are,
 detection refuses (``AmbiguousLayoutError``) and names the candidates; ``--layout NAME``
 (``layout=`` in the API) settles it. ``Layout.reason`` says why a layout was chosen, and
 ``layout_notices`` is what every command prints about it. Optimizer state always follows its
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from reshard.gc_pause import without_gc
 from reshard.errors import UsageError, option
+from reshard.sizes import plural
 
 if TYPE_CHECKING:
     from reshard.catalog import Catalog, NestedPath, TensorEntry
@@ -85,9 +88,10 @@ CONVENTIONS: tuple[Convention, ...] = (
                ("lr_scheduler.", "train_state.", "dataloader."), ("dataloader.*",), ("lr_scheduler", "train_state")),
     Convention("torchtitan-flat", "torchtitan CheckpointManager (model at the top level)", "", "optimizer.", "fqn",
                ("lr_scheduler.", "train_state.", "dataloader."), ("dataloader.*",), ("lr_scheduler", "train_state")),
-    # torch's DCP tutorial (AppState: {"model", "optim"}) and our training loop; the sections
-    # users add beside them (train_state, extra...) are never parameters.
-    Convention("reshard", "torch's DCP tutorial and reshard train: {model, optim, ...}", "model.", "optim.", "index",
+    # torch's DCP tutorial (AppState: {"model", "optim"}), which our training loop follows too;
+    # the sections users add beside them (train_state, extra...) are never parameters.
+    Convention("torch-optim", "torch's get_state_dict saved as {model, optim, ...}: its DCP tutorial, reshard train",
+               "model.", "optim.", "index",
                ("train.", "train_state.", "extra.", "lr_scheduler.", "scheduler.", "dataloader."), ()),
     Convention("torch-optimizer", "get_state_dict saved as {model, optimizer} (accelerate FSDP folders too)", "model.",
                "optimizer.", "index", ("lr_scheduler.", "scheduler.", "extra."), ()),
@@ -113,9 +117,11 @@ CONVENTIONS: tuple[Convention, ...] = (
                state_order="key-fqn"),
     Convention("torch-optimizer-only", "get_optimizer_state_dict saved alone (state., param_groups.)", None, "",
                "fqn", ()),
-    Convention("model", "a model state dict: HF, PEFT, torch.save(model.state_dict())", "", None, "index", ()),
+    Convention("state-dict", "a model's state_dict(): HF, PEFT, torch.save(model.state_dict())", "", None, "index", ()),
 )
 _BY_NAME = {c.name: c for c in CONVENTIONS}
+# Names layouts had before they were named after their writers: still taken by --layout.
+_FORMER_NAMES = {"reshard": "torch-optim", "model": "state-dict"}
 _FALLBACK = "a model state dict: no other layout explains its names"  # the only reading: nothing to say
 _GIVEN, _RECORDED = "as given", "recorded by the checkpoint's reader"
 # What reshard itself records beside the tensors (an HF source's config.json...): never a
@@ -188,10 +194,14 @@ class Layout:
     """A convention applied to one checkpoint's names."""
 
     def __init__(self, convention: Convention, names: Iterable[str], groups: str | None = None, *,
-                 reason: str = _GIVEN, unexplained: tuple[str, ...] = ()) -> None:
+                 reason: str = _GIVEN, unexplained: tuple[str, ...] = (), label: str | None = None) -> None:
         self.convention = convention
         self.groups = groups or convention.groups
         self.reason = reason  # why this layout: as given, recorded by the reader, or the evidence
+        # What messages call it: its name, or the source's layout this catalog was derived from
+        # (the model section of a torch-optim checkpoint is a state dict, but the user was told
+        # torch-optim).
+        self.label = label or convention.name
         self.unexplained = unexplained  # non-scalar tensors it calls neither model nor optimizer state
         self._places: dict[str, Place] = {}
         self._names = list(names)
@@ -206,6 +216,11 @@ class Layout:
     @property
     def name(self) -> str:
         return self.convention.name
+
+    def labelled(self, label: str) -> Layout:
+        """The same layout, called ``label`` in messages."""
+        return Layout(self.convention, self._names, self.groups, reason=self.reason, unexplained=self.unexplained,
+                      label=label)
 
     def place(self, name: str) -> Place:
         found = self._places.get(name)
@@ -310,7 +325,7 @@ class _Evidence:
 
     convention: Convention
     groups: str
-    params: int  # tensors it calls parameters
+    params: int  # tensors it calls model tensors (parameters and buffers: a name does not say which)
     matched: int  # optimizer tensors whose FQN names a parameter (or a parameter index)
     by_index: bool  # the optimizer state is keyed by parameter index, not by FQN
     unexplained: tuple[str, ...]  # non-scalar tensors it can only call "other", outside its sections
@@ -329,12 +344,12 @@ class _Evidence:
     def reason(self) -> str:
         c = self.convention
         where = f"under {c.model}" if c.model else "at the top level"
-        parts = [f"{self.params} parameters {where}"] if c.model is not None else []
+        parts = [plural(self.params, "tensor") + f" {where}"] if c.model is not None else []
         if self.matched:
             keyed = "keyed by parameter index" if self.by_index else "matching their parameters by FQN"
-            parts.append(f"{self.matched} optimizer tensors under {c.optimizer}state. {keyed}")
+            parts.append(plural(self.matched, "optimizer tensor") + f" under {c.optimizer}state. {keyed}")
         if self.alone:
-            parts.append(f"{self.alone} optimizer tensors under {c.optimizer or ''}state. with no model beside them")
+            parts.append(plural(self.alone, "optimizer tensor") + f" under {c.optimizer or ''}state. with no model beside them")
         if self.markers:
             parts.append("its sections " + ", ".join(self.markers))
         if self.nested:
@@ -435,6 +450,7 @@ def _detect(catalog: Catalog, override: str | None, refuse_ambiguous: bool) -> L
     tensors, objects = list(catalog.tensors), list(catalog.objects)
     choice = override or catalog.attrs.get("layout")
     if choice is not None:
+        choice = _FORMER_NAMES.get(choice, choice)
         if choice not in _BY_NAME:
             raise UsageError(f"{option(f'--layout {choice!r}', f'layout={choice!r}')} is not one of: {', '.join(_BY_NAME)}")
         c = _BY_NAME[choice]
@@ -445,7 +461,7 @@ def _detect(catalog: Catalog, override: str | None, refuse_ambiguous: bool) -> L
     order = {c.name: i for i, c in enumerate(CONVENTIONS)}
     found.sort(key=lambda e: (-e.matched, tuple(-int(x) for x in e.criteria), order[e.convention.name]))
     best = found[0]
-    only_model = len(found) == 1 and best.convention.name == "model"
+    only_model = len(found) == 1 and best.convention.name == "state-dict"
     layout = Layout(best.convention, tensors + objects, best.groups,
                     reason=_FALLBACK if only_model else best.reason(), unexplained=best.unexplained)
     for rival in found[1:] if refuse_ambiguous else ():

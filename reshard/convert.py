@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.catalog import Catalog, Target, pick_objects
-from reshard.conventions import detect_layout, layout_notices
+from reshard.conventions import Layout, detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError, option
@@ -288,8 +288,9 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     # copy is asked for: then refuse an ambiguous one before anything else, and say which one
     # was used and why.
     decides = mesh is not None or dtype is not None or only is not None or keymap is not None or prepare is not None
-    if decides:
-        catalog = replace(catalog, notices=[*catalog.notices, *layout_notices(detect_layout(catalog))])
+    told = detect_layout(catalog) if decides else None  # the layout the notices name
+    if told is not None:
+        catalog = replace(catalog, notices=[*catalog.notices, *layout_notices(told)])
     if config is not None:  # what model these tensors are: key maps and the HF export read it
         from reshard.export import load_config
 
@@ -322,12 +323,19 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
             catalog = replace(catalog, notices=[*catalog.notices, said])
         if only == "model" and one_file:  # a file of the model's own state dict
             catalog, only = model_section(catalog, conventions), None
-            conventions = detect_layout(catalog, "model")
-        return catalog, to, full_target(catalog, dtype=parse_dtype(dtype), only=only, layout=conventions, keep=keep), None
+            conventions = detect_layout(catalog, "state-dict")
+        return catalog, to, full_target(catalog, dtype=parse_dtype(dtype), only=only, layout=_as_told(conventions, told),
+                                        keep=keep), None
     writes = mesh_writer(to)
     target = mesh_target(catalog, spec, load_placement_plan(placements, spec), dtype=parse_dtype(dtype),
-                         only=only, keep_per_rank=opts.keep_per_rank, layout=conventions, keep=keep)
+                         only=only, keep_per_rank=opts.keep_per_rank, layout=_as_told(conventions, told), keep=keep)
     return catalog, writes, target, spec
+
+
+def _as_told(layout: Layout, told: Layout | None) -> Layout:
+    """``layout``, called in messages by the source's layout the user was told about: a model
+    section or an HF export is a plain state dict of that checkpoint, not another layout."""
+    return layout if told is None or told.name == layout.name else layout.labelled(told.label)
 
 
 def write_output(plan: Plan, writer: Writer, target: Target, files: list[OutputFile], dst: Path,

@@ -30,6 +30,7 @@ from reshard.json_file import read_json
 from reshard.keymap.lookup import load_keymap
 from reshard.keymap.maps import titan_family
 from reshard.provenance import hf_configs, training_config
+from reshard.sizes import plural
 from reshard.values import same_values
 
 if TYPE_CHECKING:
@@ -137,9 +138,9 @@ def _model_tensors(catalog: Catalog, layout: Layout) -> tuple[dict[str, TensorEn
             other.append(name)
     notices = []
     if optim:
-        notices.append(f"{optim} optimizer state tensors left out: an HF folder holds model weights only")
+        notices.append(f"{plural(optim, 'optimizer state tensor')} left out: an HF folder holds model weights only")
     if other:
-        notices.append(f"{len(other)} tensors outside the model section left out (e.g. {other[0]!r})")
+        notices.append(f"{plural(len(other), 'tensor')} outside the model section left out (e.g. {other[0]!r})")
     return kept, notices
 
 
@@ -153,7 +154,7 @@ def _source_assets(catalog: Catalog) -> dict[str, Path]:
 
 # Layouts whose parameters may carry torchtitan's names: its own, a plain model state dict (a
 # torchtitan model's state_dict(), or our hf-to-titan output), and our training loop's.
-_TITAN_LAYOUTS = ("torchtitan", "torchtitan-flat", "model", "reshard")
+_TITAN_LAYOUTS = ("torchtitan", "torchtitan-flat", "state-dict", "torch-optim")
 
 
 def _titan_names(layout: str, fqns: list[str], titan: Any) -> str | None:
@@ -208,7 +209,7 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
         config = llama_config(train, tie=tie)
     left = [n for n in catalog.objects if not n.startswith(("hf.", "train.model_config."))]
     if left:
-        notices.append(f"{len(left)} non-tensor objects (step counters, optimizer settings...) left out")
+        notices.append(f"{plural(len(left), 'non-tensor object')} (step counters, optimizer settings...) left out")
     if config is None and not weights_only:
         raise UsageError(f"{catalog.path} records no model config, so transformers could not load the export: give "
                          "--config CONFIG.json|HF_DIR|REPO_ID (and --hf-assets DIR|REPO_ID for the tokenizer), "

@@ -21,6 +21,7 @@ from reshard.conventions import PARAM, Layout, detect_layout
 from reshard.dtypes import DType
 from reshard.errors import UsageError, option
 from reshard.pieces import OutputFile, Piece
+from reshard.sizes import plural
 from reshard.storage import RemotePath
 from reshard.structure import CONTAINERS_ATTR
 
@@ -175,10 +176,10 @@ class Casting:
             return []
 
         def words(tally: dict[str, int]) -> str:
-            return ", ".join(f"{k} {_ROLE_WORDS.get(r, r)}" for r, k in tally.items()) or "nothing"
+            return ", ".join(plural(k, _ROLE_WORDS.get(r, r)) for r, k in tally.items()) or "nothing"
 
         to = str(self.to).removeprefix("torch.")
-        line = f"cast to {to} under layout {self.layout.name}: {words(self.cast)}"
+        line = f"cast to {to} under layout {self.layout.label}: {words(self.cast)}"
         keep = self.keep.notice() if self.keep else []
         if not self.kept:
             return [line, *keep]
@@ -192,8 +193,9 @@ class Casting:
 _NAMED = 3  # tensors a --dtype notice names of those it left as saved
 
 
-_ROLE_WORDS = {"param": "parameters", "optim_state": "optimizer tensors", "optim_group": "optimizer hyper-parameters",
-               "per_rank": "per-rank tensors", "other": "other tensors"}
+# Nouns, counted with plural(): a model tensor may be a buffer, so never "parameters".
+_ROLE_WORDS = {"param": "model tensor", "optim_state": "optimizer tensor", "optim_group": "optimizer hyper-parameter",
+               "per_rank": "per-rank tensor", "other": "other tensor"}
 
 
 def full_target(catalog: Catalog, *, dtype: DType | None = None, only: str | None = None,

@@ -1,4 +1,4 @@
-"""Human sizes on the command line: ``512MiB``, ``2GB``, ``20KB``, or plain bytes."""
+"""Human sizes and counts on the command line: ``512MiB``, ``2GB``, ``20KB``, plain bytes, ``1 tensor``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import re
 
 from reshard.errors import UsageError
 
-__all__ = ["parse_size", "format_size"]
+__all__ = ["parse_size", "format_size", "plural"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -34,6 +34,11 @@ def format_size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 tensor``, ``2 tensors``, ``0 tensors``: a count and its noun (nouns that add an s)."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def preview(items: list[str], shown: int = 3) -> str:

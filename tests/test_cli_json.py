@@ -26,7 +26,7 @@ def _json(*args: object) -> dict:
 def test_every_reporting_command_prints_schema_1(fsdp2_dcp, tmp_path: Path) -> None:
     src = fsdp2_dcp[0]
     doc = _json("inspect", src, "--to-mesh", "2x2")
-    assert doc["command"] == "inspect" and doc["layout"]["name"] == "reshard" and len(doc["target"]["ranks"]) == 4
+    assert doc["command"] == "inspect" and doc["layout"]["name"] == "torch-optim" and len(doc["target"]["ranks"]) == 4
     assert doc["attrs"]["source_world_size"] == 3 and [t["name"] for t in doc["tensors"]] == sorted(t["name"] for t in doc["tensors"])
     out = _json("convert", src, tmp_path / "m.pt", "--only", "model")
     assert out["command"] == "convert" and out["dst"] == str(tmp_path / "m.pt") and out["files"][0]["path"] == "m.pt"
@@ -126,7 +126,7 @@ def test_repr_and_help_of_the_api(fsdp2_dcp) -> None:
     import reshard
 
     catalog = reshard.inspect(fsdp2_dcp[0])
-    assert len(repr(catalog).splitlines()) <= 12 and "layout reshard" in repr(catalog)
+    assert len(repr(catalog).splitlines()) <= 12 and "layout torch-optim" in repr(catalog)
     assert catalog._repr_html_().startswith("<p><b>reshard Catalog</b>") and "model.embed.weight" in catalog.table()
     text = pydoc.render_doc(reshard, renderer=pydoc.plaintext)
     for name in ("inspect", "convert", "verify", "load_model", "load_state_dict", "push"):

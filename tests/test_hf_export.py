@@ -135,7 +135,7 @@ def test_titan_to_hf_is_not_applied_to_a_model_it_does_not_know(tmp_path: Path, 
     out = tmp_path / "hf"
     assert main(["convert", str(tmp_path / "ckpt"), str(out), "--to", "hf", "--weights-only"]) == 0
     err = capsys.readouterr().err
-    assert "notice: layout reshard (6 parameters under model." in err
+    assert "notice: layout torch-optim (6 tensors under model." in err
     assert "titan-to-hf not applied: it knows 1 of the 6 parameter names" in err
     from safetensors.torch import load_file
 

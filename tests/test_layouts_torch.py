@@ -143,7 +143,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-EXPECTED = {"tutorial": "reshard", "tutorial_extra": "reshard", "fqn": "torch-optimizer",
+EXPECTED = {"tutorial": "torch-optim", "tutorial_extra": "torch-optim", "fqn": "torch-optimizer",
             "index": "torch-optimizer", "titan": "torchtitan"}
 
 
@@ -197,17 +197,17 @@ def test_an_ambiguous_checkpoint_is_refused_until_a_layout_is_given(saved: Path,
     src = saved / "ema"
     assert main(["convert", str(src), "--to-mesh", "3"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the layout is ambiguous" in err[0] and "--layout model" in err[0], err
+    assert len(err) == 1 and "the layout is ambiguous" in err[0] and "--layout state-dict" in err[0], err
     assert not (saved / "ema_3").exists()
-    assert main(["convert", str(src), "--to-mesh", "3", "--layout", "model"]) == 0
-    assert "notice: layout model (as given)" in capsys.readouterr().err
+    assert main(["convert", str(src), "--to-mesh", "3", "--layout", "state-dict"]) == 0
+    assert "notice: layout state-dict (as given)" in capsys.readouterr().err
     out = reshard.inspect(saved / "ema_3")
     assert all(len(t.chunks) == min(3, t.shape[0]) for t in out.tensors.values())  # ema sharded as parameters too
     # A plain copy does not depend on the layout: no refusal.
     assert main(["convert", str(src), str(saved / "ema.safetensors")]) == 0
     # The CLI names the layout it chose on an unambiguous source.
     assert main(["convert", str(saved / "tutorial_extra"), str(saved / "cli_3"), "--to-mesh", "3"]) == 0
-    assert "notice: layout reshard (6 parameters under model.; 18 optimizer tensors" in capsys.readouterr().err
+    assert "notice: layout torch-optim (6 tensors under model.; 18 optimizer tensors" in capsys.readouterr().err
 
 
 def test_index_keyed_state_in_one_process_and_what_strict_false_reports(tmp_path: Path) -> None:

@@ -196,7 +196,7 @@ def _three_ranks(rank: int, world: int, st: str, ref: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     before = _snapshot(model)
     msg = _error_on_every_rank(lambda: reshard.load_model(model, st, opt, mode="rank0"), StateDictMismatchError)
-    assert "holds no optimizer state (layout model), but an optimizer was given" in msg and "load without optimizer=" in msg
+    assert "holds no optimizer state (layout state-dict), but an optimizer was given" in msg and "load without optimizer=" in msg
     assert all(torch.equal(before[k], v) for k, v in _snapshot(model).items())
     res = reshard.load_model(model, st, opt, mode="rank0", strict=False)
     assert len(res.missing) == 18 and opt.param_groups[0]["lr"] == 0.5
