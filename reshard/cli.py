@@ -127,6 +127,12 @@ AllowClass = Annotated[Optional[list[str]], typer.Option(
 Src = Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint: a DCP folder, .safetensors/.pt file or folder, HF folder, zarr store, a URL of one (s3://, gs://, hf://...), or a Hub repo id.")]
 
 
+def _examples(*examples: tuple[str, str]) -> str:
+    """A command's epilog: each example's comment on a line of its own above it, so that piped
+    help (80 columns) never wraps a comment in the middle."""
+    return "Examples:\n\n" + "\n\n".join(f"  # {why}\n  {cmd}" if why else f"  {cmd}" for why, cmd in examples)
+
+
 def _say(msg: str) -> None:
     typer.echo(msg, err=True)
 
@@ -172,10 +178,10 @@ def _root(
     mesh, streaming under a memory budget. Exit codes: 0 ok, 1 differences found, 2 bad input or usage."""
 
 
-@app.command(cls=_Command, epilog="Examples:\n\n"
-             "  reshard inspect ckpt/                           # tensors, shapes, dtypes, objects, layout\n\n"
-             "  reshard inspect ckpt/ --to-mesh 16x8            # bytes per rank before you launch\n\n"
-             "  reshard inspect model.safetensors --json | jq '.total_bytes'")
+@app.command(cls=_Command, epilog=_examples(
+    ("tensors, shapes, dtypes, objects, layout", "reshard inspect ckpt/"),
+    ("bytes per rank of a 16x8 mesh, before you launch on it", "reshard inspect ckpt/ --to-mesh 16x8"),
+    ("", "reshard inspect model.safetensors --json | jq '.total_bytes'")))
 def inspect(
     src: Src,
     as_json: AsJson = False,
@@ -218,10 +224,12 @@ def inspect(
         typer.echo("\n" + mesh_table(summary))
 
 
-@app.command(cls=_Command, epilog="Examples:\n\n"
-             "  reshard convert ckpt/ --to-mesh 4x8                      # ckpt_4x8/: DCP for a 4x8 HSDP mesh\n\n"
-             "  reshard convert ckpt/ model.safetensors --only model     # the model's own state dict\n\n"
-             "  reshard convert ckpt/ out/ --to hf --config cfg/ --hf-assets tok/ --dtype bfloat16")
+@app.command(cls=_Command, epilog=_examples(
+    ("ckpt_4x8/: DCP for a 4x8 HSDP mesh", "reshard convert ckpt/ --to-mesh 4x8"),
+    ("the model's own state dict", "reshard convert ckpt/ model.safetensors --only model"),
+    ("an HF folder from_pretrained loads, with its tokenizer",
+     "reshard convert ckpt/ out/ --to hf --config cfg/ --hf-assets tok/"),
+    ("the same in bfloat16", "reshard convert ckpt/ out_bf16/ --to hf --config cfg/ --dtype bfloat16")))
 def convert(
     src: Src,
     dst: Annotated[Optional[str], typer.Argument(metavar="DST", help="Output path or URL (s3://, gs://, memory://...: DCP, safetensors, hf or zarr); default: beside SRC, named after the target.")] = None,
@@ -258,7 +266,7 @@ def convert(
     _debug["on"] |= debug
     _allow(allow_class)
     _check_memory(max_memory)
-    from reshard.sizes import format_size
+    from reshard.sizes import format_size, plural
 
     import reshard
     from reshard.options import ConvertOptions
@@ -285,15 +293,15 @@ def convert(
     if quiet:
         return
     verb = "would write" if dry_run else "wrote"
-    _say(f"{verb} {result.dst} ({result.format}, {result.tensors} tensors, {format_size(result.bytes)})"
+    _say(f"{verb} {result.dst} ({result.format}, {plural(result.tensors, 'tensor')}, {format_size(result.bytes)})"
          + ("" if dry_run else f" in {result.seconds:.1f}s"))
 
 
-@app.command(cls=_Command, epilog="Examples:\n\n"
-             "  reshard verify ckpt/ full.pt                                  # exit 0 equal, 1 different\n\n"
-             "  reshard verify ckpt/ out_bf16/ --atol 1e-2 --rtol 1e-2        # a --dtype cast, within tolerance\n\n"
-             "  reshard verify titan_ckpt/ hf_out/ --keymap titan-to-hf --only model\n\n"
-             "  reshard verify --quick ckpt_4x8/                              # every file against its manifest")
+@app.command(cls=_Command, epilog=_examples(
+    ("exit 0 equal, 1 different", "reshard verify ckpt/ full.pt"),
+    ("a --dtype cast, within tolerance", "reshard verify ckpt/ out_bf16/ --atol 1e-2 --rtol 1e-2"),
+    ("across a rename", "reshard verify titan_ckpt/ hf_out/ --keymap titan-to-hf --only model"),
+    ("every file against its manifest", "reshard verify --quick ckpt_4x8/")))
 def verify(
     a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format; a path, URL or Hub repo id).")],
     b: Annotated[Optional[str], typer.Argument(metavar="B", help="Second checkpoint (any format).")] = None,
@@ -349,10 +357,10 @@ def verify(
         raise typer.Exit(1)
 
 
-@app.command(cls=_Command, epilog="Examples:\n\n"
-             "  reshard push out/ me/my-model --dry-run           # check the folder, list what would be sent\n\n"
-             "  reshard push out/ me/my-model --private\n\n"
-             "  reshard push out/ org/model --create-pr --exclude 'README.md'")
+@app.command(cls=_Command, epilog=_examples(
+    ("check the folder, list what would be sent", "reshard push out/ me/my-model --dry-run"),
+    ("", "reshard push out/ me/my-model --private"),
+    ("", "reshard push out/ org/model --create-pr --exclude 'README.md'")))
 def push(
     folder: Annotated[Path, typer.Argument(metavar="FOLDER", help="HF model folder to upload (from `reshard convert SRC --to hf`).")],
     repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", help="Hub model repo, owner/name; created if it does not exist.")],
@@ -372,7 +380,7 @@ def push(
     """Check an HF model folder (index, headers, tied weights, config.json, the architecture) and upload it to the Hub."""
     _debug["on"] |= debug
     from reshard.hub import push as push_folder
-    from reshard.sizes import format_size
+    from reshard.sizes import format_size, plural
 
     result = push_folder(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
                          dry_run=dry_run, token=token, create_pr=create_pr, include=include, exclude=exclude,
@@ -383,7 +391,7 @@ def push(
     width = max(len(name) for name, _ in result.files)
     verb = "would upload" if dry_run else "uploaded"
     where = f"a pull request on {repo_id}" if create_pr else f"{repo_id}{'@' + revision if revision else ''}"
-    typer.echo(f"{verb} {len(result.files)} files ({format_size(result.bytes)}) to {where}:")
+    typer.echo(f"{verb} {plural(len(result.files), 'file')} ({format_size(result.bytes)}) to {where}:")
     for name, size in result.files:
         typer.echo(f"  {name:<{width}}  {format_size(size)}")
     if result.url:
@@ -395,12 +403,12 @@ GlobalBatch = Annotated[int, typer.Option("--global-batch", help="Samples per st
 TrainDevice = Annotated[str, typer.Option("--device", help="auto (GPUs with NCCL when each rank has one), cpu or cuda.")]
 
 
-@app.command(cls=_Command, epilog="Examples:\n\n"
-             "  reshard train --to-mesh 2 --steps 4 --ckpt-dir runs/a             # spawns 2 gloo ranks on CPU\n\n"
-             "  reshard train --to-mesh 3 --steps 8 --resume runs/a --ckpt-dir runs/a   # continue on 3 ranks\n\n"
-             "  torchrun --nproc_per_node 8 -m reshard train --to-mesh 2x4 --config 100m")
+@app.command(cls=_Command, epilog=_examples(
+    ("spawns 2 gloo ranks on CPU", "reshard train --to-mesh 2 --steps 4 --ckpt-dir runs/a"),
+    ("continue on 3 ranks", "reshard train --to-mesh 3 --steps 8 --resume runs/a --ckpt-dir runs/a"),
+    ("", "torchrun --nproc_per_node 8 -m reshard train --to-mesh 2x4 --config 100m")))
 def train(
-    mesh: Annotated[str, typer.Option("--to-mesh", "--mesh", help="Data-parallel mesh to train on: N (FSDP), RxS or dp_replicate=R,dp_shard=S (HSDP).")],
+    mesh: Annotated[Optional[str], typer.Option("--to-mesh", help="Data-parallel mesh to train on: N (FSDP), RxS or dp_replicate=R,dp_shard=S (HSDP).")] = None,
     nproc: Annotated[Optional[int], typer.Option("--nproc", help="Ranks to spawn (default: the mesh's size); leave out under torchrun.")] = None,
     steps: Annotated[int, typer.Option("--steps", help="Train until this step (a resumed run continues from its checkpoint's step).")] = 10,
     ckpt_dir: Annotated[Optional[Path], typer.Option("--ckpt-dir", help="Save DCP checkpoints here as step-N/.")] = None,
@@ -418,9 +426,15 @@ def train(
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
+    former_mesh: Annotated[Optional[str], typer.Option("--mesh", hidden=True)] = None,  # --to-mesh's former name
 ) -> None:
     """Train the project's Llama-style model with FSDP2 on synthetic data (spawns --nproc ranks, or runs under torchrun)."""
     _debug["on"] |= debug
+    if mesh is not None and former_mesh is not None and mesh != former_mesh:
+        raise UsageError(f"--to-mesh {mesh} and --mesh {former_mesh} disagree; --mesh is --to-mesh's former name")
+    mesh = mesh or former_mesh
+    if mesh is None:
+        raise UsageError("train needs --to-mesh: the mesh to train on (N, RxS or dp_replicate=R,dp_shard=S)")
     from reshard.train.launch import launch
     from reshard.train.loop import TrainConfig
 
@@ -438,9 +452,9 @@ def train(
         _say(f"trained steps {result.start_step + 1}..{result.end_step}; loss {result.losses[last]:.6f} at step {last}")
 
 
-@app.command(cls=_Command, epilog="Examples:\n\n"
-             "  reshard validate --from-mesh 2 --to-mesh 3                 # every path, bit-exact and resumed\n\n"
-             "  reshard validate --from-mesh 1x2 --to-mesh 4 --via dcp,safetensors --json")
+@app.command(cls=_Command, epilog=_examples(
+    ("every path, bit-exact and resumed", "reshard validate --from-mesh 2 --to-mesh 3"),
+    ("", "reshard validate --from-mesh 1x2 --to-mesh 4 --via dcp,safetensors --json")))
 def validate(
     from_mesh: Annotated[str, typer.Option("--from-mesh", help="Mesh the checkpoint is trained and saved on.")],
     to_mesh: Annotated[str, typer.Option("--to-mesh", help="Mesh every converted checkpoint is resumed on.")],

@@ -15,7 +15,7 @@ from reshard.catalog import Catalog
 from reshard.conventions import AmbiguousLayoutError, detect_layout
 from reshard.dtypes import dtype_name
 from reshard.gc_pause import without_gc
-from reshard.sizes import format_size
+from reshard.sizes import format_size, plural
 
 __all__ = ["CatalogReport", "catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr", "dry_run_table", "format_name", "summary_line"]
 
@@ -202,7 +202,7 @@ def _short_line(name: str, value: Any) -> str:
 
 
 def summary_line(catalog: Catalog) -> str:
-    return f"{catalog.path}: {format_name(catalog)}, {len(catalog.tensors)} tensors, {format_size(catalog.total_bytes)}"
+    return f"{catalog.path}: {format_name(catalog)}, {plural(len(catalog.tensors), 'tensor')}, {format_size(catalog.total_bytes)}"
 
 
 def catalog_repr(catalog: Catalog, html: bool = False) -> str:
@@ -230,8 +230,8 @@ def dry_run_table(result: Any) -> str:
     from reshard.mesh.report import mesh_table
 
     files = result.files
-    lines = [f"dry run: {result.dst} ({result.format}) would hold {result.tensors} tensors, "
-             f"{format_size(result.bytes)} of tensor data in {len(files)} data files:"]
+    lines = [f"dry run: {result.dst} ({result.format}) would hold {plural(result.tensors, 'tensor')}, "
+             f"{format_size(result.bytes)} of tensor data in {plural(len(files), 'data file')}:"]
     lines += [f"  {path}  {format_size(size)}" for path, size in files[:10]]
     if len(files) > 10:
         lines.append(f"  ... and {len(files) - 10} more")

@@ -30,6 +30,7 @@ from typing import Any
 
 from reshard.errors import ReshardError, UsageError
 from reshard.formats.registry import default_suffix
+from reshard.sizes import plural
 
 __all__ = ["PATHS", "PathResult", "ValidateResult", "validate", "convert_path", "format_table"]
 
@@ -123,7 +124,7 @@ def _convert_and_verify(row: PathResult, ckpt: Path, workdir: Path, to_mesh: str
                 row.converted_exact = False
                 d = check.differences[0]
                 row.status = "mismatch"
-                row.detail = (f"{out.name}: {len(check.differences)} differences from the checkpoint, "
+                row.detail = (f"{out.name}: {plural(len(check.differences), 'difference')} from the checkpoint, "
                               f"first {d.name}: {d.kind}: {d.detail}")
                 return outputs[-1]
     except Exception as e:  # noqa: BLE001 - a failing path is reported in its row, the others still run

@@ -28,7 +28,7 @@ from reshard.plan import sources_for
 from reshard.progress import Progress
 from reshard.provenance import carry_hf_configs, hf_configs
 from reshard.regions import as_tensor
-from reshard.sizes import parse_size
+from reshard.sizes import parse_size, plural
 from reshard.sources import read_catalog
 from reshard.structure import CONTAINERS_ATTR, container_steps, describe_steps
 from reshard.values import difference
@@ -84,7 +84,7 @@ class VerifyResult:
     def verdict(self) -> str:
         """``equal``, ``within atol=0.01, rtol=0`` or ``3 differences``: what the CLI prints."""
         if not self.ok:
-            return f"{len(self.differences)} differences"
+            return plural(len(self.differences), "difference")
         if not self.tolerant:
             return "equal"
         given = ", ".join(f"{k}={v:g}" for k, v in (("atol", self.atol), ("rtol", self.rtol)) if v is not None)

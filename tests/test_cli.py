@@ -107,6 +107,30 @@ def test_help_reads(args: list[str]) -> None:
     assert proc.returncode == 0 and "Usage" in proc.stdout
 
 
+def test_piped_help_keeps_every_example_line_whole() -> None:
+    """``reshard CMD --help | less`` renders at 80 columns: every line of every command's
+    examples (a comment, a command) comes out whole, never wrapped in the middle; train's help
+    names --to-mesh only (--mesh is a hidden alias)."""
+    import os
+
+    import typer
+
+    from reshard.cli import app
+
+    commands = typer.main.get_command(app).commands
+    code = "import sys\nfrom reshard.cli import main\nfor c in sys.argv[1:]:\n    main([c, '--help'])\n    print('\\0')"
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "TERMINAL_WIDTH")}
+    proc = subprocess.run([sys.executable, "-c", code, *commands], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    for name, shown in zip(commands, proc.stdout.split("\0")):
+        lines = {line.strip() for line in shown.splitlines()}
+        assert all(len(line) <= 80 for line in shown.splitlines()), shown
+        examples = [line.strip() for line in commands[name].epilog.splitlines()[1:] if line.strip()]
+        assert examples and [e for e in examples if e not in lines] == [], (name, shown)
+    train = proc.stdout.split("\0")[list(commands).index("train")]
+    assert "--to-mesh" in train and "--mesh " not in train and "--mesh," not in train, train
+
+
 def test_installed_entry_point(tmp_path: Path) -> None:
     """The console script itself: help works, and an error is one line with exit 2."""
     assert "convert" in reshard_process("--help").stdout

@@ -34,6 +34,7 @@ from typing import Any
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from reshard.pieces import OutputFile
+from reshard.sizes import plural
 from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 from reshard.formats.torch.zip import load_object_blob
 from reshard.formats.zarr.chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress
@@ -314,6 +315,6 @@ class ZarrWriter:
                for a in arrays if not a.regular]
         split = [a.name for a in arrays if a.split]
         if split:
-            out.append(f"{len(split)} tensors (e.g. {split[0]!r}) are stored in chunks smaller than their shards: a "
+            out.append(f"{plural(len(split), 'tensor')} (e.g. {split[0]!r}) {'is' if len(split) == 1 else 'are'} stored in chunks smaller than their shards: a "
                        "compressed chunk is compressed and decoded whole, so each fits an eighth of --max-memory")
         return out

@@ -17,6 +17,7 @@ from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, NestedPath, ObjectTable, TensorEntry, object_loader
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Place, detect_layout, rename_path
 from reshard.errors import UsageError
+from reshard.sizes import plural
 from reshard.keymap.chunks import gathered_entry, index_chunks, part_chunks, rope_rows, shifted_chunks, stacked_chunks
 
 __all__ = ["INDEX", "Route", "Router", "apply_keymap"]
@@ -282,7 +283,7 @@ def apply_keymap(km: Router, catalog: Catalog) -> Catalog:
     for key, stacked in b.stacks.items():
         b.stack(key, stacked)
     if b.dropped:
-        b.out.notices.append(f"left out {len(b.dropped)} tensors the other side's model does not have ({km.name}): "
+        b.out.notices.append(f"left out {plural(len(b.dropped), 'tensor')} the other side's model does not have ({km.name}): "
                              + ", ".join(b.dropped[:4]) + (" ..." if len(b.dropped) > 4 else ""))
     for name in catalog.objects:
         b.obj(name)

@@ -15,7 +15,7 @@ import numpy as np
 from reshard.catalog import Catalog, Target
 from reshard.mesh.target import mesh_target, uneven_dims
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
-from reshard.sizes import format_size
+from reshard.sizes import format_size, plural
 
 __all__ = ["mesh_summary", "mesh_table", "rank_ranges", "summarize_for_mesh"]
 
@@ -91,7 +91,8 @@ def mesh_table(summary: dict[str, Any]) -> str:
         lines.append(f"largest rank: {big} ({format_size(most)}); smallest rank: {small} ({format_size(least)}); "
                      f"imbalance (max/mean): {summary['imbalance']:.3f}")
     if summary["uneven"]:
-        lines.append(f"warning: {len(summary['uneven'])} tensors do not divide evenly over the mesh:")
+        n = len(summary["uneven"])
+        lines.append(f"warning: {plural(n, 'tensor')} {'does' if n == 1 else 'do'} not divide evenly over the mesh:")
         lines += [f"  {n}: {'; '.join(notes)}" for n, notes in list(summary["uneven"].items())[:20]]
         if len(summary["uneven"]) > 20:
             lines.append(f"  ... and {len(summary['uneven']) - 20} more")

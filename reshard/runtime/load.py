@@ -41,7 +41,7 @@ from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
 from reshard.log import log_notices
 from reshard.parallel import world
 from reshard.progress import Progress
-from reshard.sizes import format_size, parse_size, preview
+from reshard.sizes import format_size, parse_size, plural, preview
 
 __all__ = ["load_model", "load_state_dict", "LoadResult", "StateDictMismatchError", "MODES"]
 
@@ -184,7 +184,7 @@ def _section_as_model(catalog: Catalog, section: str) -> Catalog:
     out.attrs.pop("layout", None)  # what the reader took the names for no longer holds
     dropped = sum(1 for n in catalog.tensors if names[n] is None)
     out.notices.append(f"section={section!r}: its tensors are loaded as the model"
-                       + (f"; the checkpoint's own model section ({dropped} tensors) is not read" if dropped else ""))
+                       + (f"; the checkpoint's own model section ({plural(dropped, 'tensor')}) is not read" if dropped else ""))
     return out
 
 

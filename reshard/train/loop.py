@@ -115,7 +115,7 @@ def check_config(cfg: TrainConfig, world: int | None = None) -> MeshSpec:
     mesh = parse_mesh(cfg.mesh)
     if world is not None and mesh.world_size != world:
         raise UsageError(f"mesh {cfg.mesh!r} has {mesh.world_size} ranks but the job has {world}; "
-                         f"launch {mesh.world_size} ranks (--nproc {mesh.world_size}) or change --mesh")
+                         f"launch {mesh.world_size} ranks (--nproc {mesh.world_size}) or change --to-mesh")
     if mesh.ndim > 2 or (mesh.ndim == 2 and mesh.names != ("dp_replicate", "dp_shard")):
         raise UsageError(f"mesh {cfg.mesh!r}: the training loop shards data-parallel only: give N (FSDP) "
                          "or RxS / dp_replicate=R,dp_shard=S (HSDP)")
