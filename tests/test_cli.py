@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -129,6 +130,10 @@ def test_piped_help_keeps_every_example_line_whole() -> None:
         assert examples and [e for e in examples if e not in lines] == [], (name, shown)
     train = proc.stdout.split("\0")[list(commands).index("train")]
     assert "--to-mesh" in train and "--mesh " not in train and "--mesh," not in train, train
+    docs = Path(__file__).resolve().parents[1] / "docs"  # and the docs call it by that one name
+    for doc in (docs / "cli.md", docs / "recipes" / "validate.md"):
+        said = [line for line in doc.read_text().splitlines() if re.search(r"(?<![\w-])--mesh\b", line)]
+        assert said == [], (doc.name, said)
 
 
 def test_installed_entry_point(tmp_path: Path) -> None:
