@@ -512,15 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         _say("reshard: interrupted; no output was left behind")
         return 130
     except ReshardError as e:
-        if _debug["on"]:
-            traceback.print_exc()
-        _say(f"reshard: error: {e}")
-        return 2
+        return _error(e, f"reshard: error: {e}")
     except OSError as e:
-        if _debug["on"]:
-            traceback.print_exc()
-        _say(f"reshard: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}")
-        return 2
+        return _error(e, f"reshard: error: {e.filename or ''}{': ' if e.filename else ''}{e.strerror or e}")
     except Exception as e:
         code = getattr(e, "exit_code", None)
         if type(e).__name__ == "Exit" and isinstance(code, int):
@@ -528,16 +522,26 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(code, int) and hasattr(e, "format_message"):  # option parsing: usage error
             if not e.format_message():  # bare `reshard`: the help was printed
                 return 2
-            _say(f"reshard: error: {e.format_message()} (see `{_command_name(argv)} --help`)")
-            return 2
+            return _error(e, f"reshard: error: {e.format_message()} (see `{_command_name(argv)} --help`)", trace=False)
         # A bug, or an input we failed to validate: still one line.
-        if _debug["on"]:
-            traceback.print_exc()
-        _say(f"reshard: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
-        return 2
+        return _error(e, f"reshard: internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)")
     finally:
         while _allowed_by_options:
             _allowed_by_options.pop().close()
+
+
+def _error(e: BaseException, line: str, *, trace: bool = True) -> int:
+    """Say ``line`` (after the traceback, with --debug) and exit 2. On a rank other than 0 of a
+    torchrun job, an error rank 0 says too (a usage error, one the ranks shared) is not said
+    again: once per job, not once per rank."""
+    from reshard.parallel import said_by_rank_0
+
+    if said_by_rank_0(e) and not _debug["on"]:
+        return 2
+    if trace and _debug["on"]:
+        traceback.print_exc()
+    _say(line)
+    return 2
 
 
 def _collect_young_garbage_only() -> None:

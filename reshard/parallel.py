@@ -23,7 +23,7 @@ from typing import Any
 from reshard.errors import ReshardError, UsageError
 from reshard.pieces import OutputFile
 
-__all__ = ["Workers", "world", "current_workers", "torchrun_group", "split_files"]
+__all__ = ["Workers", "world", "current_workers", "torchrun_group", "split_files", "mark_shared", "said_by_rank_0"]
 
 
 class RankFailedError(ReshardError):
@@ -59,11 +59,29 @@ class Workers:
         everyone: list[str | None] = [None] * self.world_size
         dist.all_gather_object(everyone, mine)
         if error is not None:
+            mark_shared(error)
             raise error
         failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
         if failed:
             rank, message = failed[0]
-            raise RankFailedError(f"rank {rank} failed: {message}")
+            raise mark_shared(RankFailedError(f"rank {rank} failed: {message}"))
+
+
+def mark_shared(error: BaseException) -> BaseException:
+    """``error``, marked as known to every rank of the job, rank 0 included: the command line
+    prints it on rank 0 only (``said_by_rank_0``)."""
+    error.reshard_shared = True  # type: ignore[attr-defined]
+    return error
+
+
+def said_by_rank_0(error: BaseException) -> bool:
+    """Whether this process is a rank other than 0 of a torchrun job and rank 0 prints
+    ``error`` too: an error the ranks shared, or one every rank meets alike (a usage error: the
+    same options on every rank). Printed once, not once per rank."""
+    if not _torchrun_env() or os.environ.get("RANK", "0") == "0":
+        return False
+    return getattr(error, "reshard_shared", False) or isinstance(error, UsageError) or (
+        isinstance(getattr(error, "exit_code", None), int) and hasattr(error, "format_message"))  # option parsing
 
 
 def _torchrun_env() -> bool:

@@ -136,6 +136,43 @@ def test_piped_help_keeps_every_example_line_whole() -> None:
         assert said == [], (doc.name, said)
 
 
+def _torchrun_world(args: list[str | Path], world: int = 2) -> list[subprocess.CompletedProcess]:
+    """``reshard ARGS`` as each rank of a torchrun job runs it: one process per rank, with the
+    environment torchrun gives them (RANK, WORLD_SIZE, MASTER_ADDR/PORT...)."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "reshard", *map(str, args)], text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=dict(base, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(world)]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=180)
+        out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    return out
+
+
+def test_a_usage_error_under_torchrun_is_said_once_and_every_rank_exits_2(fsdp2_dcp, tmp_path: Path) -> None:
+    """A torchrun job meeting an output that exists (docs/recipes/mesh.md once did): rank 0 says
+    it in one line, the other ranks say nothing, every rank exits 2, no traceback; an option
+    error, met before any process group, likewise."""
+    (tmp_path / "ckpt_2").mkdir()
+    for args, line in (
+            (["convert", fsdp2_dcp[0], tmp_path / "ckpt_2", "--to-mesh", "2"],
+             f"reshard: error: {tmp_path / 'ckpt_2'} already exists; pass --overwrite to replace it"),
+            (["convert", fsdp2_dcp[0], "--to-mesh", "2", "--no-such-flag"],
+             "reshard: error: No such option: --no-such-flag (see `reshard convert --help`)")):
+        ranks = _torchrun_world(args)
+        assert [r.returncode for r in ranks] == [2, 2], [r.stderr for r in ranks]
+        said = [line for r in ranks for line in (r.stdout + r.stderr).splitlines() if line.strip()]
+        assert said == [line], said
+
+
 def test_installed_entry_point(tmp_path: Path) -> None:
     """The console script itself: help works, and an error is one line with exit 2."""
     assert "convert" in reshard_process("--help").stdout
