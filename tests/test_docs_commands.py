@@ -2,25 +2,29 @@
 README.md and docs/ is extracted and run, offline, in a folder holding small checkpoints under
 the names the docs use (``ckpt/``, ``ds/``, ``mg/``...), each file's blocks in order in one
 folder and one process (so a ``memory://`` store lives from one block to the next, as in the
-reader's own Python session). A command passes when it exits 0, or 1 for ``reshard verify`` (a
-comparison that found differences: the docs show verify across checkpoints that differ); a
-usage error, bad input or a crash fails it; a Python block passes when it raises nothing.
+reader's own Python session); the README's folder is made by the README's own first command
+(less its installs), as a reader's is. A command passes when it exits 0, or 1 for ``reshard
+verify`` (a comparison that found differences: the docs show verify across checkpoints that
+differ); a usage error, bad input or a crash fails it; a Python block passes when it raises
+nothing.
 
 No block is left out silently: ``SKIPPED`` and ``BLOCKS_SKIPPED`` say why each command or
 block that cannot run here does not (network, installs, multi-node launchers, GPUs, the
 benchmarks, fragments), ``NOT_CODE`` what the blocks of no code are instead, and
 ``test_what_does_not_run_here_says_why`` reports each of them as a skip with its reason
-(``-ra`` prints them), failing for any without one. ``test_a_broken_command_fails`` proves the runner catches a broken command. Every
-relative link in the docs resolves to a file of the repository.
+(``-ra`` prints them), failing for any without one; ``TORCHRUN_HERE``'s single-node torchrun
+lines do run, on 2 ranks. ``test_a_broken_command_fails`` proves the runner catches a broken
+command. Every relative link in the docs resolves to a file of the repository.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import shutil
+import subprocess
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +65,9 @@ NOT_CODE = {
     "json": "a JSON document (sample output, or a file's contents), not a command",
     "": "not commands (a diagram, a synopsis or sample output)",
 }
+
+# torchrun lines that run here as written, on 2 ranks (CI has 2 cores) instead of their count.
+TORCHRUN_HERE = ("torchrun --standalone --nproc_per_node 8 -m reshard convert",)
 
 # Commands another test runs as written, with what they need that this runner lacks.
 RUN_ELSEWHERE = (
@@ -153,6 +160,8 @@ def _shell_commands(doc: Path, start: int, lines: list[str]) -> list[Command]:
 def skip_reason(command: Command) -> str | None:
     """Why ``command`` does not run here; None for a command or Python block that does (and for
     a block of no code with no reason given, which the test below fails)."""
+    if command.text.startswith(TORCHRUN_HERE):
+        return None
     table = SKIPPED if command.language == "shell" else BLOCKS_SKIPPED
     listed = next((why for part, why in (*RUN_ELSEWHERE, *table) if part in command.text), None)
     return listed or (None if command.language in ("shell", "python") else NOT_CODE.get(command.language))
@@ -187,6 +196,8 @@ def run(command: Command, where: Path, capsys) -> tuple[int, str]:
         env[key] = value
     if words[:3] == ["python", "-m", "reshard"]:
         words = ["reshard", *words[3:]]
+    if words[0] == "torchrun":
+        return _torchrun(words, where, env)
     assert words[0] == "reshard", f"{command}: no runner for {words[0]!r}; add it or a SKIPPED entry"
     saved = {k: os.environ.get(k) for k in env}
     cwd = os.getcwd()
@@ -205,6 +216,37 @@ def run(command: Command, where: Path, capsys) -> tuple[int, str]:
     return code, out.out + out.err
 
 
+def _torchrun(words: list[str], where: Path, env: dict[str, str]) -> tuple[int, str]:
+    """A documented torchrun line, launched for real in ``where`` on 2 ranks."""
+    at = words.index("--nproc_per_node") + 1
+    words = [sys.executable, "-m", "torch.distributed.run", *words[1:at], "2", *words[at + 1:]]
+    proc = subprocess.run(words, cwd=where, env=_with_root(**env, OMP_NUM_THREADS="1"), capture_output=True,
+                          text=True, timeout=300)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _with_root(**env: str) -> dict[str, str]:
+    """This environment plus ``env``, importing this checkout's reshard in a subprocess."""
+    return dict(os.environ, **env, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def readme_set_up(where: Path) -> None:
+    """The README's first command, less its installs (this environment has them), run in
+    ``where``: it leaves there what the README's other commands use."""
+    first = doc_commands(ROOT / "README.md")[0].text
+    steps: list[list[str]] = [[]]
+    for word in shlex.split(first):
+        if word == "&&":
+            steps.append([])
+        else:
+            steps[-1].append(word)
+    steps = [step for step in steps if step[:2] != ["pip", "install"]]
+    assert [w[:2] for w in steps] == [["python", "scripts/example.py"]], first
+    proc = subprocess.run([sys.executable, str(ROOT / steps[0][1]), *steps[0][2:]], cwd=where, env=_with_root(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{first}\nexit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+
+
 def passed(command: Command, code: int) -> bool:
     return code == 0 or (code == 1 and shlex.split(command.text)[:2] == ["reshard", "verify"])
 
@@ -218,17 +260,6 @@ def training_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     runs = tmp_path_factory.mktemp("runs")
     assert main(["train", "--to-mesh", "2", "--steps", "2", "--ckpt-dir", str(runs), "--quiet"]) == 0
     return runs / "step-2"
-
-
-def _hf_side_files(folder: Path, ckpt: Path) -> None:
-    """cfg/ (the model's config.json, as --to hf builds it) and tok/ (tokenizer side files)."""
-    export = folder / ".export"
-    assert main(["convert", str(ckpt), str(export), "--to", "hf", "--quiet"]) == 0
-    (folder / "cfg").mkdir()
-    shutil.copy(export / "config.json", folder / "cfg" / "config.json")
-    (folder / "tok").mkdir()
-    (folder / "tok" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
-    shutil.rmtree(export)
 
 
 def workspace(doc: Path, root: Path, ckpt: Path) -> Path:
@@ -245,9 +276,9 @@ def workspace(doc: Path, root: Path, ckpt: Path) -> Path:
         from tests.hf_models import save_lora_adapter
 
         save_lora_adapter(where / "llama-1b", where / "my-lora", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-    if doc.name == "README.md":
-        _hf_side_files(where, ckpt)
-        shutil.copytree(DATA / "torchtitan" / "llama3" / "checkpoint" / "step-2", where / "titan")
+    if doc.name == "README.md":  # the README's own set-up makes what its commands use
+        shutil.rmtree(where / "ckpt")
+        readme_set_up(where)
     if doc.name == "mesh.md":
         plan = next(lines for lang, _, lines in _blocks(doc) if lang == "json")
         (where / "plan.json").write_text("\n".join(plan))
