@@ -68,7 +68,7 @@ def test_a_flipped_element_fails_its_path_and_the_exit_code(monkeypatch: pytest.
     assert proc.returncode == 1, proc.stdout + proc.stderr
     torch_row = next(line for line in proc.stdout.splitlines() if line.startswith("torch "))
     assert "DIFFERS" in torch_row and torch_row.endswith("MISMATCH")
-    assert "torch: torch_back: 1 differences from the checkpoint, first model.layers.0.attention.wq.weight: " \
+    assert "torch: torch_back: 1 difference from the checkpoint, first model.layers.0.attention.wq.weight: " \
            "values: 1 of 1024 elements differ" in proc.stdout
     assert next(line for line in proc.stdout.splitlines() if line.startswith("dcp ")).endswith("MATCH")
     assert "1 of 2 paths do not match" in proc.stdout
