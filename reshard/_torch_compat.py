@@ -8,9 +8,14 @@ record type. Nothing else in reshard imports an underscored torch name.
 from __future__ import annotations
 
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch._utils
 import torch.serialization
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "dtensor_local_indices", "STRIDED_SHARD",
            "init_optimizer_state"]
@@ -23,7 +28,7 @@ rebuild_tensor_v3 = torch._utils._rebuild_tensor_v3
 get_layout = torch.serialization._get_layout
 
 
-def dtensor_local_box(shape: tuple[int, ...], mesh: object, placements: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def dtensor_local_box(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(global offsets, local sizes) of this rank's piece of a DTensor, by torch's own rule
     (DCP saves with the same function); zero sizes when this rank is outside ``mesh``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -56,23 +61,25 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def dtensor_local_indices(shape: tuple[int, ...], mesh: object, placements: tuple) -> list[torch.Tensor] | None:
+def dtensor_local_indices(shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple) -> list[torch.Tensor] | None:
     """Per dim of a DTensor, the global indices this rank's local tensor holds, in local order
     (torch's own rule for every ``Shard``/``_StridedShard`` placement, applied mesh dim by mesh
     dim as ``compute_local_shape_and_global_offset`` does); None when this rank is outside
     ``mesh``."""
     from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 
-    coordinate = mesh.get_coordinate()  # type: ignore[attr-defined]
+    coordinate = mesh.get_coordinate()
     if coordinate is None:
         return None
-    sizes, index = list(shape), {}
+    sizes = list(shape)
+    index: dict[int, torch.Tensor] = {}
     for mesh_dim, placement in enumerate(placements):
         dim = getattr(placement, "dim", None)
         if dim is None:  # Replicate()
             continue
-        size, offsets = _get_shard_size_and_offsets(sizes[dim], mesh.size(mesh_dim), coordinate[mesh_dim],  # type: ignore[attr-defined]
+        size, offsets = _get_shard_size_and_offsets(sizes[dim], mesh.size(mesh_dim), coordinate[mesh_dim],
                                                     placement, index.get(dim), shape[dim], False)
+        assert offsets is not None  # torch gives them unless asked to skip them (the last argument)
         sizes[dim] = size
         index[dim] = offsets[:size]
     return [index[d] if d in index else torch.arange(n) for d, n in enumerate(shape)]

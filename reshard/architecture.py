@@ -32,7 +32,7 @@ import contextlib
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from reshard.dtypes import by_name
 from reshard.errors import CorruptCheckpointError
@@ -190,13 +190,15 @@ def _model_class(config: Mapping[str, Any]) -> tuple[str | None, Any, str]:
 
     names = config.get("architectures")
     model_type = config.get("model_type")
+    name: str | None
     if isinstance(names, list) and names and isinstance(names[0], str):
         name = names[0]
     elif isinstance(model_type, str):
-        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type)
+        found = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) or MODEL_MAPPING_NAMES.get(model_type)
+        name = found if isinstance(found, str) else None  # a few model types map to several classes: none is picked
     else:
         return None, None, "config.json names neither architectures nor model_type"
-    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    cls = getattr(transformers, name, None) if name is not None else None
     if cls is None:
         return name, None, (f"transformers {transformers.__version__} does not know the architecture "
                             f"{name or model_type!r} (custom code is never run)")
@@ -215,7 +217,7 @@ def _build(config: Mapping[str, Any]) -> _Built | ArchitectureCheck:
     if model_type not in CONFIG_MAPPING:
         return ArchitectureCheck(name, False, f"transformers {transformers.__version__} does not know model_type {model_type!r}")
     try:
-        hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+        hf_config = CONFIG_MAPPING[cast(str, model_type)].from_dict(dict(config))  # one of its keys (checked above)
     except Exception as e:  # noqa: BLE001 - any config transformers refuses is a config from_pretrained refuses
         return ArchitectureCheck(name, True, errors=[f"transformers cannot read config.json: {_first_line(e)}"])
     dtype = _torch_dtype(config)
@@ -238,6 +240,7 @@ def _build(config: Mapping[str, Any]) -> _Built | ArchitectureCheck:
         return ArchitectureCheck(name, False, f"transformers cannot build {name} here: {_first_line(e)}")
     except Exception as e:  # noqa: BLE001 - from_pretrained would fail the same way
         return ArchitectureCheck(name, True, errors=[f"transformers cannot build {name} from config.json: {_first_line(e)}"])
+    assert name is not None  # _model_class gives a class only with its name
     return _Built(name, model, quantizer, dtype)
 
 
@@ -259,8 +262,10 @@ def _load(built: _Built, tensors: Mapping[str, Any]) -> ArchitectureCheck:
     model, quantizer = built.model, built.quantizer
     expected = {k: v.dtype for k, v in model.state_dict().items()}
     mapping = get_model_conversion_mapping(model, None, quantizer)
+    # transformers' annotations disagree with each other: the mapping is typed list[WeightTransform],
+    # the config's weight_mapping list[WeightConverter | WeightRenaming] (the subclasses it holds)
     load_config = LoadStateDictConfig(device_map={"": "meta"}, dtype=built.dtype, dtype_plan=model._get_dtype_plan(built.dtype),
-                                      hf_quantizer=quantizer, weight_mapping=mapping)
+                                      hf_quantizer=quantizer, weight_mapping=mapping)  # type: ignore[arg-type]
     state = {n: torch.empty(t.shape, dtype=t.dtype.torch, device="meta") for n, t in tensors.items()}
     info, _ = convert_and_load_state_dict_in_model(model=model, state_dict=state, load_config=load_config)
     model.mark_tied_weights_as_initialized(info)

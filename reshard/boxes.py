@@ -187,7 +187,9 @@ def tiles_columns(shape: Sequence[int], offsets: np.ndarray, sizes: np.ndarray) 
     if offsets.shape != sizes.shape or offsets.shape[1:] != (ndim,):
         return f"chunks have rank {offsets.shape[1] if offsets.ndim == 2 else '?'}, tensor has rank {ndim}"
     whole = np.asarray(shape, dtype=np.int64).reshape(1, ndim)
-    bad = np.flatnonzero(((offsets < 0) | (sizes < 0) | (offsets + sizes > whole)).any(axis=1)) if ndim else []
+    bad: np.ndarray | list[int] = []
+    if ndim:
+        bad = np.flatnonzero(((offsets < 0) | (sizes < 0) | (offsets + sizes > whole)).any(axis=1))
     if len(bad):
         k = bad[0]
         return f"chunk at {tuple(offsets[k].tolist())} of size {tuple(sizes[k].tolist())} lies outside shape {tuple(shape)}"

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
     from reshard.mesh.sharding import MeshSpec, Placement
 
-__all__ = ["ChunkData", "Chunk", "TensorEntry", "IndexedTensorEntry", "Catalog", "NestedPath", "ObjectTable", "object_loader", "pick_objects",
-           "TargetTensor", "Target"]
+__all__ = ["ChunkData", "ArrayChunkData", "Chunk", "TensorEntry", "IndexedTensorEntry", "Catalog", "NestedPath", "ObjectTable",
+           "object_loader", "pick_objects", "TargetTensor", "Target"]
 
 # Where a flat name sits in the nested state dict: ("optim", "state", "0.weight", "exp_avg").
 NestedPath = tuple[str | int, ...]
@@ -41,6 +41,17 @@ class ChunkData(Protocol):
         Data that computes its values (``reshard.quant``) may also have ``read_into(box,
         out)``, writing them into ``out`` (contiguous, the box's sizes, any float dtype):
         the engine then passes its slab buffer instead of taking a new tensor per slab."""
+        ...
+
+
+class ArrayChunkData(ChunkData, Protocol):
+    """Chunk data that also gives its stored bytes without torch (a decoded zarr chunk): the
+    engine moves them as they are when the output keeps ``dtype``."""
+
+    dtype: DType
+
+    def read_array(self, box: Box) -> np.ndarray:
+        """``box`` (relative to the chunk) as an array of ``dtype.bytes_dtype``."""
         ...
 
 
@@ -119,7 +130,7 @@ class IndexedTensorEntry(TensorEntry):
                 self._built[i] = found
         return found
 
-    @property  # type: ignore[override]
+    @property
     def chunks(self) -> list[Chunk]:
         if not self._complete and not self._keep:
             return [self.chunk(i) for i in range(len(self._offsets))]
@@ -127,7 +138,7 @@ class IndexedTensorEntry(TensorEntry):
             for i in range(len(self._offsets)):
                 self.chunk(i)
             self._complete = True
-        return self._built or []  # type: ignore[return-value]
+        return cast("list[Chunk]", self._built or [])  # complete: no slot is None
 
     @chunks.setter
     def chunks(self, value: list[Chunk]) -> None:
@@ -219,7 +230,7 @@ def object_loader(objects: MutableMapping[str, Any], name: str) -> Callable[[], 
     return lambda: value
 
 
-def pick_objects(objects: MutableMapping[str, Any], names: Iterator[str] | list[str]) -> MutableMapping[str, Any]:
+def pick_objects(objects: MutableMapping[str, Any], names: Iterator[str] | list[str]) -> ObjectTable:
     """The named objects, still unread where they were."""
     out = ObjectTable()
     for name in names:
@@ -284,7 +295,7 @@ class Target:
     """What an output will hold, before any byte moves: writers lay files out from this."""
 
     tensors: dict[str, TargetTensor]
-    objects: dict[str, Any]
+    objects: MutableMapping[str, Any]  # a dict, or an ObjectTable read lazily
     paths: dict[str, NestedPath]
     attrs: dict[str, Any]
     world_size: int = 1

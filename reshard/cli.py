@@ -489,7 +489,7 @@ def validate(
 def _command_name(argv: list[str]) -> str:
     """The command whose ``--help`` to point at: the one typed, when it is a command."""
     names = [a for a in argv if not a.startswith("-")][:1]
-    known = {c.name for c in app.registered_commands} | {c.callback.__name__ for c in app.registered_commands}
+    known = {c.name for c in app.registered_commands} | {c.callback.__name__ for c in app.registered_commands if c.callback}
     return f"reshard {names[0]}" if names and names[0] in known else "reshard"
 
 

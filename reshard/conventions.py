@@ -299,7 +299,7 @@ class Layout:
             return True
         if p.role != OPTIM_STATE or p.key == "step" or not shape:
             return False
-        return param_shapes.get(p.fqn) == shape
+        return p.fqn is not None and param_shapes.get(p.fqn) == shape
 
     def in_section(self, name: str, only: str) -> bool:
         """``--only model|optim|optimizer|PREFIX``: the model and optimizer by their role,
@@ -352,7 +352,7 @@ class _Evidence:
             parts.append(plural(self.alone, "optimizer tensor") + f" under {c.optimizer or ''}state. with no model beside them")
         if self.markers:
             parts.append("its sections " + ", ".join(self.markers))
-        if self.nested:
+        if self.nested and c.model:  # nested: under the model's section
             parts.append(f"{c.model[:-1]!r} saved as a section")
         return "; ".join(parts) or "no tensors"
 
@@ -372,8 +372,8 @@ def _evidence(convention: Convention, catalog: Catalog, heads: set[str] | None =
     markers = tuple(m for m in convention.markers if m in heads)
     if convention.markers and not markers:
         return None
-    nested = bool(convention.model) and any(len(path) >= 2 and path[0] == convention.model[:-1]
-                                            for path in catalog.paths.values())
+    nested = bool(convention.model and any(len(path) >= 2 and path[0] == convention.model[:-1]
+                                           for path in catalog.paths.values()))
     state = convention.optimizer + "state." if convention.optimizer is not None else None
     if convention.model != "" and not nested and (state is None or not any(map(str.startswith, tensors, repeat(state)))):
         # No optimizer state, nothing nested: a convention with a model section explains

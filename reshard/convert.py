@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -182,13 +183,14 @@ def convert(
             raise UsageError(f"{src}: a remote source needs an explicit DST (a path or URL)")
         dst_path = default_destination(source.beside, to, sharded=opts.shard_bytes is not None,
                                        mesh_label=spec.label if spec else None, dtype=cast)
-    check_output_options(dst_path if dst_path is not None else Path(remote_dst), to, opts)
-    writer = get_format(to).writer(dst_path if dst_path is not None else remote_dst, opts)
+    out = dst_path if dst_path is not None else remote_dst
+    assert out is not None  # the DST given, or its default
+    check_output_options(Path(out), to, opts)
+    writer = get_format(to).writer(out, opts)
     with paused_gc():
         files = writer.layout(target)
         plan = make_plan(catalog, files)
     notices = target.notices + list(writer.notices(target))
-    out = dst_path if dst_path is not None else remote_dst
 
     def result(seconds: float, kernel_bytes: int = 0, dry: bool = False, ranks: dict | None = None) -> ConvertResult:
         if world()[0] == 0:  # the same notices on every rank of a torchrun job: said once
@@ -207,6 +209,7 @@ def convert(
             raise UsageError(f"{remote_dst}: a URL output is written by one process; run it without torchrun")
         load_target(format_entry(to).url_writer)(remote_dst, plan, target, writer, files, opts)
         return result(time.perf_counter() - start)
+    assert dst_path is not None  # not a URL: a local DST
     stats = write_output(plan, writer, target, files, dst_path, before, current_workers(), opts,
                          sources=(source.path,) if source.path is not None else (), label=source.label)
     return result(time.perf_counter() - start, stats.kernel_bytes)
@@ -256,7 +259,7 @@ def _refuse_options_not_taken(to: str, opts: ConvertOptions, names: list[str]) -
             raise UsageError(f"{named(name)} applies to {formats} outputs, not {fmt}")
 
 
-def excluded(catalog: Catalog, globs: str | list[str] | None) -> Catalog:
+def excluded(catalog: Catalog, globs: str | Sequence[str] | None) -> Catalog:
     """``catalog`` without the tensors and objects whose names match any of ``globs``."""
     patterns = [globs] if isinstance(globs, str) else list(globs or [])
     if not patterns:

@@ -12,7 +12,7 @@ Comparing one with a ``torch.dtype`` is a bug (always unequal), so it raises ins
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, TypeGuard, final
 
 import numpy as np
 
@@ -79,8 +79,8 @@ class DType:
     __str__ = __repr__
 
 
-_BYTES = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64),
-          16: np.dtype(np.complex128)}  # moved by assignment, never arithmetic: bit for bit
+_BYTES: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64),
+                          16: np.dtype(np.complex128)}  # moved by assignment, never arithmetic: bit for bit
 
 # torch's dtypes as torch 2.13 names them (tests/test_dtypes.py checks this table against the
 # installed torch): canonical name, width, kind, aliases.
@@ -108,7 +108,7 @@ for _name, _size, _kind, _aliases in _TABLE:
     DTYPES.update({alias: DTYPES[_name] for alias in _aliases})
 
 
-def _is_torch_dtype(x: object) -> bool:
+def _is_torch_dtype(x: object) -> TypeGuard[torch.dtype]:
     torch = sys.modules.get("torch")  # not imported: nothing can be a torch dtype
     return torch is not None and isinstance(x, torch.dtype)
 
@@ -146,7 +146,7 @@ def parse_dtype(name: str | DType | torch.dtype | None) -> DType | None:
     if name is None:
         return None
     if isinstance(name, DType) or _is_torch_dtype(name):
-        return of(name)  # type: ignore[arg-type]
+        return of(name)
     key = str(name).strip().lower().removeprefix("torch.")
     dtype = DTYPES.get(_ALIASES.get(key, key))
     if dtype is None:

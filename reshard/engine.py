@@ -27,13 +27,13 @@ from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from reshard import dtypes
 from reshard.boxes import Box, c_order_slabs, contiguous_range
-from reshard.catalog import ChunkData
+from reshard.catalog import ArrayChunkData, ChunkData
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UsageError, option
 from reshard.pieces import OutputFile, Piece
@@ -74,7 +74,7 @@ class EngineStats:
 def _read_part(data: ChunkData, box: Box, fds: FdPool | None, into: torch.Tensor | None = None) -> torch.Tensor:
     """``box`` of a chunk; ``into``: uint8 scratch a box stored as one run may be read into."""
     region = as_region(data) if fds is not None else None
-    if region is not None:
+    if region is not None and fds is not None:
         with fds.use(region.path) as fd:
             return region.read_from(fd, box, into)
     return data.read(box)
@@ -95,13 +95,13 @@ def _buffer(into: torch.Tensor | None, sizes: tuple[int, ...], dtype: DType) -> 
     return into[:nbytes].view(dtype.torch).view(sizes)
 
 
-def _byte_source(data: ChunkData) -> StoredRegion | ChunkData | None:
+def _byte_source(data: ChunkData) -> StoredRegion | ArrayChunkData | None:
     """What gives ``data``'s bytes as they are: its file region, or the data itself when it
     reads arrays of its dtype's width (``read_array``: a decoded zarr chunk); else None."""
     region = as_region(data)
     if region is not None:
         return region
-    return data if callable(getattr(data, "read_array", None)) else None
+    return cast(ArrayChunkData, data) if callable(getattr(data, "read_array", None)) else None
 
 
 def moves_bytes(dtype: DType, sources: list[Source]) -> bool:
@@ -121,7 +121,7 @@ def _array_buffer(into: np.ndarray | None, sizes: tuple[int, ...], dtype: DType)
 def _read_array_part(data: ChunkData, box: Box, fds: FdPool | None, into: np.ndarray | None) -> np.ndarray:
     region = as_region(data)
     if region is None:
-        return data.read_array(box)  # type: ignore[attr-defined]  # moves_bytes said it can
+        return cast(ArrayChunkData, data).read_array(box)  # moves_bytes said it can
     if fds is None:
         fd = open_read(region.path)
         try:
@@ -264,7 +264,8 @@ def _as_bytes(t: np.ndarray | torch.Tensor) -> memoryview:
     """A C-contiguous array's or tensor's bytes."""
     if not isinstance(t, np.ndarray):
         t = as_array(t)
-    return memoryview(t.reshape(-1).view(np.uint8)) if t.size else memoryview(b"")
+    # the ignore: numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
+    return memoryview(t.reshape(-1).view(np.uint8)) if t.size else memoryview(b"")  # type: ignore[arg-type]
 
 
 def _write_literals(fd: int, f: OutputFile) -> None:
@@ -533,7 +534,7 @@ class Engine:
             for rel, off, piece in items:
                 cols = tuple(slice(o - b, o - b + n) for o, n, b in zip(piece.box.offsets[1:], piece.box.sizes[1:],
                                                                          block.offsets[1:]))
-                part = _as_bytes(_contiguous(data[(slice(None), *cols)], cols_buf))
+                part = _as_bytes(_contiguous(data[(slice(None),) + cols], cols_buf))
                 row_bytes = math.prod(piece.box.sizes[1:]) * item
                 with outs.use(paths[rel]) as fd:
                     _pwrite_all(fd, part, off + (block.offsets[0] - piece.box.offsets[0]) * row_bytes)
@@ -582,14 +583,14 @@ class Engine:
                     with outs.use(paths[rel]) as fd:
                         self._fill(fd, off, piece, plan.sources[piece], fds, stats, bar)
                     items = [job]
-                if digests:
+                if hashing is not None:  # digests asked for
                     with lock:
                         for rel, _, _ in items:
                             left[rel] -= 1
                             if left[rel] == 0:
                                 hashed[rel] = hashing.submit(file_digest, root / rel)
 
-            if digests:  # files of literal bytes only are complete already
+            if hashing is not None:  # files of literal bytes only are complete already
                 hashed.update({f.relpath: hashing.submit(file_digest, root / f.relpath)
                                for f in plan.files if not left[f.relpath]})
             with ThreadPoolExecutor(workers) as pool:

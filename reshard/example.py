@@ -9,6 +9,7 @@ some ranks hold empty shards.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -33,6 +34,7 @@ def _save_worker(rank: int, world_size: int, out: str, ref: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     import warnings
 
@@ -55,12 +57,13 @@ def _save_worker(rank: int, world_size: int, out: str, ref: str) -> None:
     extra = {"step": 2, "note": "tiny", "scale": torch.tensor([1.5, 2.5])}
     dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=out)
     # The reference full tensors, gathered by torch itself, to compare outputs against.
-    full = {}
+    full: dict[str, Any] = {}
     for k, v in msd.items():
-        full[f"model.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
-    for pid, st in osd["state"].items():
+        full[f"model.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v
+    # torch types "state" as any optimizer state value; an optimizer's is param -> {name: value}
+    for pid, st in cast("dict[str, dict[str, Any]]", osd["state"]).items():
         for k, v in st.items():
-            full[f"optim.state.{pid}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+            full[f"optim.state.{pid}.{k}"] = v.full_tensor() if isinstance(v, DTensor) else v
     full["extra.scale"] = extra["scale"]
     if rank == 0:
         torch.save({"tensors": full, "param_groups": osd["param_groups"]}, ref)

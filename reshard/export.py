@@ -20,6 +20,7 @@ writer (``formats/hf``, which only writes the folder's files) lays anything out:
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +48,7 @@ ASSET_FILES = (
     "spiece.model", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja", "chat_template.json",
     "generation_config.json", "preprocessor_config.json",
 )
-def load_config(spec: str | Path) -> dict[str, Any]:
+def load_config(spec: str | os.PathLike) -> dict[str, Any]:
     """``--config``: a config.json file, a folder holding one, or a Hub repo id (read from the
     local Hugging Face cache when offline)."""
     from reshard.hub import hub_files

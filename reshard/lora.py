@@ -25,6 +25,7 @@ the base lacks, shapes that differ) are refused, naming the module.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -92,7 +93,7 @@ class Adapter:
         return self.path.name or str(self.path)
 
 
-def _folder(spec: str | Path) -> Path:
+def _folder(spec: str | os.PathLike) -> Path:
     path = Path(spec)
     if path.is_file() and path.name in (CONFIG, *WEIGHTS):
         path = path.parent
@@ -157,7 +158,7 @@ def _scaling(config: dict[str, Any], module: str, rank: int, where: Path) -> flo
 _LORA = re.compile(r"(?P<module>.+)\.(?:lora_(?P<ab>[AB])\.weight|lora_embedding_(?P<eab>[AB]))")
 
 
-def read_adapter(spec: str | Path) -> Adapter:
+def read_adapter(spec: str | os.PathLike) -> Adapter:
     """The adapter at ``spec`` (a folder, or a Hub repo id), every tensor sorted into LoRA pairs
     and whole tensors; anything else is refused, naming it."""
     folder = _folder(spec)
@@ -255,7 +256,7 @@ def _replaced(base: TensorEntry, new: TensorEntry, name: str, source: Path) -> T
     return TensorEntry(name, base.shape, base.dtype, new.chunks)  # cast to the base's dtype, as load_state_dict does
 
 
-def merged(catalog: Catalog, spec: str | Path) -> Catalog:
+def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
     """``catalog`` (HF names, as ``export_catalog`` leaves it) with the adapter at ``spec``
     merged: the adapted weights computed lazily, the saved modules in place of the base's."""
     adapter = read_adapter(spec)

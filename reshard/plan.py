@@ -227,16 +227,17 @@ def model_section(catalog: Catalog, layout: Layout) -> Catalog:
         asked = option("--only model", "only='model'")
         raise UsageError(f"{asked}: {catalog.path} holds no model tensors (layout {layout.name})")
     heads = {catalog.nested_path(n)[0] for n, p in names.items() if p.prefix}
+    fqn = {n: p.fqn for n, p in names.items() if p.fqn}  # every name's (names holds those with one)
 
     def path(name: str) -> NestedPath:
         nested = catalog.nested_path(name)
         if names[name].prefix and len(nested) > 1 and nested[0] in heads:
             return nested[1:]
-        return (names[name].fqn,) if names[name].prefix else nested
+        return (fqn[name],) if names[name].prefix else nested
 
-    tensors = {p.fqn: catalog.tensors[n].renamed(p.fqn) for n, p in names.items() if n in catalog.tensors}
-    objects = ObjectTable({p.fqn: object_loader(catalog.objects, n) for n, p in names.items() if n in catalog.objects})
-    paths = {p.fqn: path(n) for n, p in names.items() if n in catalog.paths}
+    tensors = {fqn[n]: catalog.tensors[n].renamed(fqn[n]) for n in names if n in catalog.tensors}
+    objects = ObjectTable({fqn[n]: object_loader(catalog.objects, n) for n in names if n in catalog.objects})
+    paths = {fqn[n]: path(n) for n in names if n in catalog.paths}
     containers = {k[1:]: v for k, v in (catalog.attrs.get(CONTAINERS_ATTR) or {}).items() if k[:1] and k[0] in heads}
     attrs = {**catalog.attrs, CONTAINERS_ATTR: containers} if heads else dict(catalog.attrs)
     attrs.pop("layout", None)  # the section is the whole checkpoint now

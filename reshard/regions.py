@@ -22,7 +22,7 @@ from reshard import dtypes
 from reshard.boxes import Box, c_order_slabs, contiguous_range, full_box
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
-from reshard.storage import close, open_read, pread_into
+from reshard.storage import Handle, close, open_read, pread_into
 
 if TYPE_CHECKING:
     import torch
@@ -40,19 +40,20 @@ def c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def read_exact(fd: int, nbytes: int, offset: int, path: Path | str) -> bytearray:
+def read_exact(fd: Handle, nbytes: int, offset: int, path: Path | str) -> bytearray:
     """Read exactly ``nbytes`` at ``offset``; a short read means the file is truncated."""
     buf = bytearray(nbytes)
     _read_into(fd, memoryview(buf), offset, path)
     return buf
 
 
-def _read_array(fd: int, nbytes: int, offset: int, path: Path | str) -> np.ndarray:
+def _read_array(fd: Handle, nbytes: int, offset: int, path: Path | str) -> np.ndarray:
     """``read_exact`` into uninitialised memory, as uint8: a bytearray is zero-filled first,
     one more pass over every byte read (and the pass that faults its pages in)."""
     buf = np.empty(nbytes, dtype=np.uint8)
     if nbytes:
-        _read_into(fd, memoryview(buf), offset, path)
+        # the ignore: numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
+        _read_into(fd, memoryview(buf), offset, path)  # type: ignore[arg-type]
     return buf
 
 
@@ -73,7 +74,7 @@ def as_array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.detach().view(same_width.torch).numpy()
 
 
-def _read_into(fd: int, view: memoryview, offset: int, path: Path | str) -> None:
+def _read_into(fd: Handle, view: memoryview, offset: int, path: Path | str) -> None:
     done, nbytes = 0, view.nbytes
     while done < nbytes:
         n = pread_into(fd, view[done:], offset + done)
@@ -126,11 +127,11 @@ class StoredRegion:
         finally:
             close(fd)
 
-    def read_from(self, fd: int, box: Box, into: torch.Tensor | None = None) -> torch.Tensor:
+    def read_from(self, fd: Handle, box: Box, into: torch.Tensor | None = None) -> torch.Tensor:
         """``read_array`` as a torch tensor of the region's dtype; ``into``: uint8 scratch."""
         return as_tensor(self.read_array(fd, box, None if into is None else into.numpy()), self.dtype)
 
-    def read_array(self, fd: int, box: Box, into: np.ndarray | None = None) -> np.ndarray:
+    def read_array(self, fd: Handle, box: Box, into: np.ndarray | None = None) -> np.ndarray:
         """``box``'s bytes through an already open ``fd`` of ``path`` (the engine keeps them
         open), as an array of ``dtype.bytes_dtype`` (maybe a strided view: callers copy it out).
 
@@ -146,14 +147,15 @@ class StoredRegion:
             offset, nbytes = direct
             if into is not None and into.size >= nbytes:
                 buf = into[:nbytes]
-                _read_into(fd, memoryview(buf), offset, self.path)
+                # the ignore: numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
+                _read_into(fd, memoryview(buf), offset, self.path)  # type: ignore[arg-type]
             else:
                 buf = _read_array(fd, nbytes, offset, self.path)
             return buf.view(self.dtype.bytes_dtype).reshape(box.sizes)
         strides = self.strides or c_strides(self.shape)
         return self._read_strided(fd, box, strides, max(2 * box.numel * item, _MIN_SPAN))
 
-    def _read_strided(self, fd: int, box: Box, strides: tuple[int, ...], allowed: int) -> np.ndarray:
+    def _read_strided(self, fd: Handle, box: Box, strides: tuple[int, ...], allowed: int) -> np.ndarray:
         """``box`` of a region it does not lie in as one run (a column block, a strided view).
 
         A span of the file that holds the box and at most ``allowed`` bytes is read in one go

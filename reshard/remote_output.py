@@ -61,7 +61,8 @@ def slabs_of(segment: Any, plan: Any, slab_bytes: int) -> Iterator[memoryview]:
     for slab in c_order_slabs(segment.box, segment.dtype.itemsize, slab_bytes):
         t = assemble(slab, segment.dtype, [s for s in sources if s.box.intersect(slab) is not None])
         flat = t.contiguous().reshape(-1)
-        yield memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+        # the ignore: numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
+        yield memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
 def _is_marker(name: str) -> bool:

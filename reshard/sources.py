@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointNotFoundError, ReshardError
@@ -57,7 +58,8 @@ def resolve_source(src: str | os.PathLike, storage_options: dict | None = None) 
         remote = RemotePath.from_url(str(src), storage_options)
         forget_cached(remote)  # a new command reads it afresh
         try:
-            return Source(str(src), detect_format(remote).read(remote), None, None)
+            # a RemotePath stands in for a Path (reshard.storage): detect_format took a format that reads URLs
+            return Source(str(src), detect_format(remote).read(cast(Path, remote)), None, None)
         except OSError as e:  # the store's own errors (offline, denied, unreachable): one line naming SRC
             if isinstance(e, ReshardError) or (e.filename and str(e.filename) != remote.path):
                 raise

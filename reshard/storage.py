@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 from reshard.errors import UsageError
 
-__all__ = ["is_url", "RemotePath", "RemoteFile", "as_location", "open_read", "handle_size", "close", "pread_into",
+__all__ = ["is_url", "RemotePath", "RemoteFile", "Handle", "as_location", "open_read", "handle_size", "close", "pread_into",
            "parse_storage_options", "forget_cached", "will_read"]
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
@@ -274,12 +274,12 @@ class _SmallReads:
             return path == prefix or path.startswith(prefix + "/")
 
         with self._lock:
-            for key in [k for k in self._blocks if k[0] == fs and under(k[1])]:
-                del self._blocks[key]
-            for key in [k for k in self._records if k[0] == fs and under(k[1])]:
-                self._record_bytes -= len(self._records.pop(key))
-            for key in [k for k in self._sizes if k[0] == fs and under(k[1])]:
-                del self._sizes[key]
+            for block in [k for k in self._blocks if k[0] == fs and under(k[1])]:
+                del self._blocks[block]
+            for record in [k for k in self._records if k[0] == fs and under(k[1])]:
+                self._record_bytes -= len(self._records.pop(record))
+            for file in [k for k in self._sizes if k[0] == fs and under(k[1])]:
+                del self._sizes[file]
 
 
 _small_reads = _SmallReads()
@@ -331,6 +331,10 @@ class RemoteFile:
         pass
 
 
+# What ``open_read`` gives: a descriptor of a local file, or a ``RemoteFile``.
+Handle = int | RemoteFile
+
+
 def as_location(path: Any) -> Any:
     """``path`` as readers take it: a ``RemotePath`` as it is, anything else as a ``Path``."""
     if isinstance(path, RemotePath):
@@ -340,25 +344,25 @@ def as_location(path: Any) -> Any:
     return Path(path)
 
 
-def open_read(path: Any) -> int | RemoteFile:
+def open_read(path: Any) -> Handle:
     """A handle to read ``path`` through ``pread_into``: a descriptor, or a ``RemoteFile``."""
     if isinstance(path, RemotePath):
         return RemoteFile(path)
     return os.open(path, os.O_RDONLY)
 
 
-def handle_size(handle: int | RemoteFile) -> int:
+def handle_size(handle: Handle) -> int:
     return handle.size if isinstance(handle, RemoteFile) else os.fstat(handle).st_size
 
 
-def close(handle: int | RemoteFile) -> None:
+def close(handle: Handle) -> None:
     if isinstance(handle, RemoteFile):
         handle.close()
     else:
         os.close(handle)
 
 
-def pread_into(handle: int | RemoteFile, view: memoryview, offset: int) -> int:
+def pread_into(handle: Handle, view: memoryview, offset: int) -> int:
     """Bytes read into ``view`` from ``offset`` (fewer at the end of the file, 0 past it)."""
     if isinstance(handle, RemoteFile):
         return handle.read_into(view, offset)

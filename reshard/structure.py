@@ -67,9 +67,8 @@ def containers_from_json(value: object, where: str) -> dict[NestedPath, str]:
     """The inverse of ``containers_to_json``; ``where`` names the file in the error."""
     from reshard.errors import CorruptCheckpointError
 
-    ok = isinstance(value, list) and all(
-        isinstance(e, list) and len(e) == 2 and isinstance(e[0], list) and e[1] in ("dict", "tuple")
-        and all(type(k) in (str, int) for k in e[0]) for e in value)
-    if not ok:
+    if not (isinstance(value, list) and all(
+            isinstance(e, list) and len(e) == 2 and isinstance(e[0], list) and e[1] in ("dict", "tuple")
+            and all(type(k) in (str, int) for k in e[0]) for e in value)):
         raise CorruptCheckpointError(f"{where}: {CONTAINERS_KEY} is not a list of [path, 'dict'|'tuple'] pairs")
-    return {tuple(path): kind for path, kind in value}  # type: ignore[union-attr]
+    return {tuple(path): kind for path, kind in value}

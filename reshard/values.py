@@ -142,7 +142,8 @@ def tensor_digest(data: ChunkData, shape: tuple[int, ...], dtype: DType) -> str:
     for slab in c_order_slabs(full_box(shape), dtype.itemsize, _DIGEST_SLAB):
         t = data.read(slab)
         if t.numel():
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+            # the ignore: numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     h.update(repr((tuple(shape), f"torch.{dtypes.of(dtype).name}", math.prod(shape))).encode())  # as written before DType
     return h.hexdigest()
 

@@ -213,7 +213,8 @@ def _compare(a: TensorEntry, b: TensorEntry, atol: float | None, rtol: float | N
             differ = (_bits(ta) != _bits(tb)).reshape(-1, a.dtype.itemsize).any(dim=1).reshape(slab.sizes)
             if not differ.any():
                 continue
-            wa, wb = (_wide(ta), _wide(tb)) if numeric else (None, None)
+            if numeric:
+                wa, wb = _wide(ta), _wide(tb)
         if not differ.any():
             continue
         if numeric:

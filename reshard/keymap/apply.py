@@ -44,7 +44,8 @@ class Route:
 
 
 class Router(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: a KeyMap is frozen
 
     def route(self, fqn: str) -> Route | None: ...
 
@@ -58,8 +59,9 @@ def _routed(km: Router, place: Place) -> tuple[Place, Route] | None:
     route = km.route(place.fqn)
     if route is None and not place.prefix and place.fqn.startswith("model."):
         # A flat ``model.<fqn>`` (no nesting to say whether model is a section): try it as one.
-        place = place._replace(fqn=place.fqn.removeprefix("model."), prefix="model.")
-        route = km.route(place.fqn)
+        fqn = place.fqn.removeprefix("model.")
+        place = place._replace(fqn=fqn, prefix="model.")
+        route = km.route(fqn)
     return None if route is None else (place, route)
 
 
@@ -67,11 +69,12 @@ class _Builder:
     def __init__(self, km: Router, catalog: Catalog) -> None:
         self.km, self.src = km, catalog
         self.layout = detect_layout(catalog)
-        self.out = Catalog(catalog.format, catalog.path, objects=ObjectTable(), attrs=dict(catalog.attrs),
+        self.objects = ObjectTable()  # self.out's
+        self.out = Catalog(catalog.format, catalog.path, objects=self.objects, attrs=dict(catalog.attrs),
                            notices=list(catalog.notices))
         self.found: dict[str, int] = {}
         self.owner: dict[str, str] = {}
-        self.merges: dict[tuple[Any, ...], dict[int, tuple[str, TensorEntry]]] = {}
+        self.merges: dict[tuple[Any, ...], dict[int, tuple[str, TensorEntry, Place]]] = {}
         self.merge_routes: dict[tuple[Any, ...], Route] = {}
         self.stacks: dict[tuple[Any, ...], dict[int, tuple[str, TensorEntry, Place]]] = {}
         self.dropped: list[str] = []
@@ -147,7 +150,7 @@ class _Builder:
         elif route.kind == "unstack":
             self.unstack(name, entry, route, where)
         elif route.kind == "stack":
-            key = (place.prefix, route.names[0], place.suffix, route.dim)
+            key: tuple[Any, ...] = (place.prefix, route.names[0], place.suffix, route.dim)
             parts = self.stacks.setdefault(key, {})
             if route.part in parts:
                 raise UsageError(f"key map {self.km.name!r}: {parts[route.part][0]!r} and {name!r} are both index "
@@ -256,7 +259,7 @@ class _Builder:
         place = self.layout.place(name)
         if place.role not in (OPTIM_STATE, OPTIM_GROUP):  # untouched: passed on unread
             self.emit(name, self.src.paths.get(name), None, None, name)
-            self.out.objects.set_lazy(name, object_loader(self.src.objects, name))
+            self.objects.set_lazy(name, object_loader(self.src.objects, name))
             return
         value = self.src.objects[name]
         if place.role == OPTIM_GROUP and place.key == "params" and isinstance(value, list):

@@ -30,9 +30,9 @@ __all__ = ["MEGATRON_GPT", "MegatronToHF", "megatron_to_hf", "megatron_heads"]
 
 _Q, _K, _V = ("model.layers.{}.self_attn.q_proj", "model.layers.{}.self_attn.k_proj", "model.layers.{}.self_attn.v_proj")
 
-# (Megatron name, HF name(s), transform). transform: None renames; "qkv" splits the fused
-# projection per query group into (q, k, v); "gate_up" splits linear_fc1 in halves.
-MEGATRON_GPT: tuple[tuple[str, str | tuple[str, ...], str | None], ...] = (
+# (Megatron name, HF name(s) or None: dropped, transform). transform: None renames; "qkv" splits
+# the fused projection per query group into (q, k, v); "gate_up" splits linear_fc1 in halves.
+MEGATRON_GPT: tuple[tuple[str, str | tuple[str, ...] | None, str | None], ...] = (
     ("embedding.word_embeddings.weight", "model.embed_tokens.weight", None),
     ("output_layer.weight", "lm_head.weight", None),
     ("decoder.final_layernorm.weight", "model.norm.weight", None),

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -116,7 +116,7 @@ def _shared_error(exc: BaseException, source: Path) -> tuple[str, str]:
     return "ReshardError", f"{source}: loading failed on another rank: {type(exc).__name__}: {exc}"
 
 
-def _raise_shared(err: tuple[str, str]) -> None:
+def _raise_shared(err: tuple[str, str]) -> NoReturn:
     raise _ERROR_TYPES.get(err[0], ReshardError)(err[1])
 
 
@@ -176,11 +176,11 @@ def _section_as_model(catalog: Catalog, section: str) -> Catalog:
 
     names = {n: moved(n) for n in [*catalog.tensors, *catalog.objects]}
     out = Catalog(format=catalog.format, path=catalog.path, attrs=dict(catalog.attrs), notices=list(catalog.notices))
-    out.tensors = {names[n]: e.renamed(names[n]) for n, e in catalog.tensors.items() if names[n] is not None}
-    out.objects = ObjectTable({names[n]: object_loader(catalog.objects, n) for n in catalog.objects
-                               if names[n] is not None})
-    out.paths = {names[n]: ("model", *p[1:]) if names[n] != n else p
-                 for n, p in catalog.paths.items() if names.get(n) is not None}
+    out.tensors = {new: e.renamed(new) for n, e in catalog.tensors.items() if (new := names[n]) is not None}
+    out.objects = ObjectTable({new: object_loader(catalog.objects, n) for n in catalog.objects
+                               if (new := names[n]) is not None})
+    out.paths = {new: ("model", *p[1:]) if new != n else p
+                 for n, p in catalog.paths.items() if (new := names.get(n)) is not None}
     out.attrs.pop("layout", None)  # what the reader took the names for no longer holds
     dropped = sum(1 for n in catalog.tensors if names[n] is None)
     out.notices.append(f"section={section!r}: its tensors are loaded as the model"
@@ -208,8 +208,10 @@ class _Load:
         bar = Progress(total, f"loading {self.source.name}", enabled=progress and rank == 0)
         try:
             if self.mode != "rank0":
+                assert self.catalog is not None  # every rank reads its own boxes
                 return read_local(self.plan, self.catalog.tensors, self.slots, bar)
             if rank == 0:
+                assert self.catalog is not None  # rank 0 reads for all
                 return send_boxes(self.plan, self.catalog.tensors, self.slots, _comm_device(), bar)
             return receive_boxes(self.plan, self.slots, _comm_device())
         finally:
@@ -226,6 +228,8 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     rank, size = world()
     mode = _choose_mode(mode, source, size)
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
+    catalog: Catalog | None
+    outcome: LoadPlan | tuple[str, str] | None  # the plan, or the error to raise on every rank
     if mode == "local":
         catalog = _read_catalog(source, keymap, layout, config, section)
         plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes,
@@ -243,6 +247,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     if rank == 0 or mode == "parallel":
         try:
             catalog = _read_catalog(source, keymap, layout, config, section)
+            assert gathered is not None  # rank 0 gathers in rank0 mode; every rank has its own otherwise
             metas = [g[0] for g in gathered]
             aliases = [a for g in gathered for a in g[1]]
             outcome = make_load_plan(catalog, metas, aliases, strict=strict, slab_bytes=slab_bytes,
@@ -263,6 +268,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
         raise failure
     if isinstance(outcome, tuple):
         _raise_shared(outcome)
+    assert outcome is not None  # planned here, or by rank 0 and broadcast
     return _Load(source, mode, outcome, slots, catalog)
 
 
@@ -396,6 +402,7 @@ def load_model(
         # makes that true for wrappers that hand out copies, and what torch expects.
         set_model_state_dict(model, msd)
         if osd is not None:
+            assert optimizer is not None  # osd is its state
             for index, values in groups.items():
                 osd["param_groups"][index].update(values)
             set_optimizer_state_dict(model, optimizer, osd)
@@ -404,8 +411,9 @@ def load_model(
     # parameters (torchtitan's FusedQKVLinear fuses wq/wk/wv into wqkv); the optimizer's
     # state tensors were filled in place.
     model.load_state_dict(msd, strict=False)
-    for index, values in groups.items():
-        optimizer.param_groups[index].update(values)
+    if optimizer is not None:  # else no groups
+        for index, values in groups.items():
+            optimizer.param_groups[index].update(values)
     result.notices.append("loaded through the model's own state_dict and load_state_dict: torch's get_state_dict "
                           "cannot walk this model's state dict names to its parameters")
     return _said(result)

@@ -176,7 +176,9 @@ def group_values(catalog: Catalog, layout: Layout) -> dict[int | str, dict[str, 
     for name, value in catalog.objects.items():
         p = layout.place(name)
         if p.role == OPTIM_GROUP and p.key and p.key != "params":
-            out.setdefault(p.group if p.group is not None else p.fqn, {})[p.key] = value
+            group = p.group if p.group is not None else p.fqn
+            assert group is not None  # a layout places a group's value by its index or by its parameter
+            out.setdefault(group, {})[p.key] = value
     return out
 
 

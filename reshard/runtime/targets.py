@@ -15,13 +15,16 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from reshard import _torch_compat
 from reshard.boxes import Box, full_box
 from reshard.errors import UnsupportedFormatError, UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["SlotMeta", "Slot", "flatten_state_dict", "make_slots", "storage_aliases"]
 
@@ -79,7 +82,7 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(int(index[a]), b - a, a) for a, b in zip(starts, ends)]
 
 
-def _dtensor_parts(name: str, t: torch.Tensor) -> tuple[tuple[Box, ...], tuple[tuple[int, ...], ...], torch.Tensor]:
+def _dtensor_parts(name: str, t: DTensor) -> tuple[tuple[Box, ...], tuple[tuple[int, ...], ...], torch.Tensor]:
     """This rank's boxes of DTensor ``t``, where each starts in its local tensor, and the local
     tensor: one box for ``Shard(d)``/``Replicate()``; under ``_StridedShard`` (FSDP over TP)
     one box per run of consecutive rows the rank holds, by torch's own index rule."""
@@ -96,7 +99,8 @@ def _dtensor_parts(name: str, t: torch.Tensor) -> tuple[tuple[Box, ...], tuple[t
     local = t.to_local()
     if all(type(p) in (Shard, Replicate) for p in t.placements):
         offsets, sizes = _torch_compat.dtensor_local_box(tuple(t.shape), t.device_mesh, tuple(t.placements))
-        boxes, origins = ((Box(offsets, sizes),), ((0,) * len(sizes),))
+        boxes: tuple[Box, ...] = (Box(offsets, sizes),)
+        origins: tuple[tuple[int, ...], ...] = ((0,) * len(sizes),)
     else:
         index = _torch_compat.dtensor_local_indices(tuple(t.shape), t.device_mesh, tuple(t.placements))
         sizes = tuple(len(i) for i in index) if index is not None else (0,) * t.ndim

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -93,7 +94,7 @@ class _SendBuffer:
 
     def to_wire(self, host: torch.Tensor) -> torch.Tensor:
         """What goes on the wire: ``host`` itself on CPU, its device twin under NCCL."""
-        if self.wire is None:
+        if self.wire is None or self.copied is None:  # both, or neither (on CPU)
             return host
         wire = self.wire[: host.numel() * host.element_size()].view(host.dtype).view(host.shape)
         wire.copy_(host, non_blocking=True)
@@ -127,8 +128,10 @@ def send_boxes(plan: LoadPlan, catalog_tensors: Mapping[str, TensorEntry], slots
                         drain()  # a collective after pending sends would leave receivers waiting in order
                         dist.broadcast(wire, src=0)
                     else:
-                        buf.works.extend(dist.isend(wire, dst=r) for r in ranks if r != 0)
+                        # isend gives None only to a rank outside the group; this one is in the default group
+                        buf.works.extend(cast("dist.Work", dist.isend(wire, dst=r)) for r in ranks if r != 0)
                     if 0 in ranks:
+                        assert own is not None  # rank 0 holds this box: its slot is one of its own
                         own.region(slab).copy_(host)
                     n = slab.numel * entry.dtype.itemsize
                     done += n

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copyreg
 from functools import cache, lru_cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from reshard.errors import UnsafeCheckpointError, UsageError
 
@@ -45,6 +45,12 @@ class Inert(metaclass=Sealed):
     ``"new"`` (NEWOBJ: ``cls.__new__(cls, *args)``) or ``"new_ex"`` (with ``kwargs``)."""
 
     __slots__ = ("how", "args", "kwargs", "state", "items", "entries")
+    how: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: Any
+    items: list[Any]
+    entries: list[tuple[Any, Any]]
     inert_module: ClassVar[str] = ""
     inert_qualname: ClassVar[str] = ""
 
@@ -86,7 +92,8 @@ class Inert(metaclass=Sealed):
         if self.how == "call":
             return (type(self), self.args, self.state, items, entries)
         if self.how == "new":
-            return (copyreg.__newobj__, (type(self), *self.args), self.state, items, entries)
+            # typeshed's copyreg leaves out __newobj__ (pickle's NEWOBJ, protocol 2), which the module has
+            return (copyreg.__newobj__, (type(self), *self.args), self.state, items, entries)  # type: ignore[attr-defined]
         raise UsageError(f"{inert_name(type(self))} was created with keyword arguments (pickle protocol 4), "
                          "which a torch file (protocol 2) cannot express")
 
@@ -96,7 +103,7 @@ class Inert(metaclass=Sealed):
     def __eq__(self, other: object) -> bool:
         from reshard.values import difference
 
-        return type(other) is type(self) and difference(self._fields(), other._fields()) is None  # type: ignore[attr-defined]
+        return type(other) is type(self) and difference(self._fields(), other._fields()) is None
 
     def __hash__(self) -> int:
         return hash((type(self), self.how, len(self.args)))
@@ -147,15 +154,15 @@ def standin_class(module: str, qualname: str) -> type[Inert]:
     files compare equal). Its Python name marks it as ours: pickling it with a plain pickler
     fails loudly instead of writing reshard's module name into someone's checkpoint."""
     label = f"<inert {_dotted(module, qualname)}>"
-    return Sealed(label, (Inert,), {"__slots__": (), "__module__": __name__, "__qualname__": label,
-                                    "inert_module": module, "inert_qualname": qualname})
+    return cast(type[Inert], Sealed(label, (Inert,), {"__slots__": (), "__module__": __name__, "__qualname__": label,
+                                                      "inert_module": module, "inert_qualname": qualname}))
 
 
 @lru_cache(maxsize=1024)  # names come from strangers' pickles: bounded
 def refused_class(module: str, qualname: str) -> type[Refused]:
     label = f"<refused {_dotted(module, qualname)}>"
-    return Sealed(label, (Refused,), {"__slots__": (), "__module__": __name__, "__qualname__": label,
-                                      "refused": _dotted(module, qualname)})
+    return cast(type[Refused], Sealed(label, (Refused,), {"__slots__": (), "__module__": __name__, "__qualname__": label,
+                                                          "refused": _dotted(module, qualname)}))
 
 
 def is_refused(value: Any) -> bool:
@@ -166,5 +173,5 @@ def refused_name(value: Any) -> str:
     return value.refused
 
 
-def inert_name(cls: type) -> str:
-    return _dotted(cls.inert_module, cls.inert_qualname)  # type: ignore[attr-defined]
+def inert_name(cls: type[Inert]) -> str:
+    return _dotted(cls.inert_module, cls.inert_qualname)

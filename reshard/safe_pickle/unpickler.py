@@ -253,11 +253,12 @@ class _FastUnpickler(_Policy, pickle.Unpickler):
     pass
 
 
-class _CheckedUnpickler(_Policy, pickle._Unpickler):  # type: ignore[name-defined]
+class _CheckedUnpickler(_Policy, pickle._Unpickler):
     """The pure-Python unpickler with BUILD checked: numpy's states go through
     ``numpy_build``, and BUILD on a class or function is refused outright."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    stack: list[Any]  # the pure-Python unpickler's own (typeshed leaves it out)
+    dispatch = dict(pickle._Unpickler.dispatch)
 
     def load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
@@ -266,9 +267,10 @@ class _CheckedUnpickler(_Policy, pickle._Unpickler):  # type: ignore[name-define
             return
         if isinstance(inst, (type, _Guarded, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)):
             raise pickle.UnpicklingError(f"BUILD on {type(inst).__name__} {inst!r}")
-        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]  # typeshed leaves out the load_* handlers
 
-    dispatch[pickle.BUILD[0]] = load_build
+    # typeshed types dispatch's handlers as taking the C Unpickler; this table is _Unpickler's
+    dispatch[pickle.BUILD[0]] = load_build  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -288,7 +290,7 @@ def _load(data: bytes | BinaryIO, allowed: Mapping[tuple[str, str], Any], origin
           persistent_load: Callable[[Any], Any] | None, *, stand_ins: bool, deferred: bool) -> Unpickled:
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray, memoryview)) else data
     start = stream.tell()
-    table = ChainMap(allowed, PLAIN_GLOBALS)  # type: ignore[arg-type]
+    table = ChainMap(allowed, PLAIN_GLOBALS)  # type: ignore[arg-type]  # typeshed's ChainMap: mutable maps only; read here
     for unpickler in (_FastUnpickler, _CheckedUnpickler):
         stream.seek(start)
         u = unpickler(stream)

@@ -114,26 +114,26 @@ def _rebuilt(item: Any, go: Callable[[Any], Any]) -> Any:
             out[k] = v
         return out
     if isinstance(item, argparse.Namespace):
-        values = {k: go(v) for k, v in vars(item).items()}
-        if all(values[k] is v for k, v in vars(item).items()):
+        fields = {k: go(v) for k, v in vars(item).items()}
+        if all(fields[k] is v for k, v in vars(item).items()):
             return item
-        out = copy.copy(item)
-        vars(out).update(values)
-        return out
+        namespace = copy.copy(item)
+        vars(namespace).update(fields)
+        return namespace
     if hasattr(type(item), "walk_children"):
         return item.remade(go)
     if _is_object_array(item):
         flat = item.reshape(-1)
-        values = [go(x) for x in flat]
-        if all(a is b for a, b in zip(values, flat)):
+        cells = [go(x) for x in flat]
+        if all(a is b for a, b in zip(cells, flat)):
             return item
-        out = flat.copy()
-        for i, v in enumerate(values):
-            out[i] = v
-        return out.reshape(item.shape)
-    values = [go(x) for x in item]
-    if all(a is b for a, b in zip(values, item)):
+        array = flat.copy()
+        for i, v in enumerate(cells):
+            array[i] = v
+        return array.reshape(item.shape)
+    elements = [go(x) for x in item]
+    if all(a is b for a, b in zip(elements, item)):
         return item
     if isinstance(item, collections.deque):
-        return collections.deque(values, item.maxlen)
-    return type(item)(values)
+        return collections.deque(elements, item.maxlen)
+    return type(item)(elements)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,7 @@ def save_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return path
 
 
-def unflatten(objects: dict[str, Any], prefix: str) -> dict[str, Any]:
+def unflatten(objects: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """The nested dict under ``prefix`` of DCP-flattened objects; all-digit keys become lists
     (``lr_lambdas.0.warmup`` -> ``{"lr_lambdas": [{"warmup": ...}]}``)."""
     root: dict[str, Any] = {}
@@ -99,7 +100,7 @@ def _lists(node: Any) -> Any:
     return items
 
 
-def train_objects(objects: dict[str, Any]) -> dict[str, Any]:
+def train_objects(objects: Mapping[str, Any]) -> dict[str, Any]:
     """``{"step", "data_position", "scheduler", "model_config"}`` as far as the checkpoint has them."""
     return unflatten(objects, "train.")
 
@@ -126,8 +127,9 @@ def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> st
     from torch.distributed.tensor import DTensor
 
     msd, osd = get_state_dict(model, optimizer)
-    flat = {f"model.{k}": v for k, v in msd.items()}
-    for fqn, st in osd["state"].items():
+    flat = {f"model.{k}": cast(torch.Tensor, v) for k, v in msd.items()}  # a model's state: tensors only
+    # torch types "state" as any optimizer state value; an optimizer's is param -> {name: value}
+    for fqn, st in cast("dict[str, dict[str, Any]]", osd["state"]).items():
         flat.update({f"optim.state.{fqn}.{k}": v for k, v in st.items() if isinstance(v, torch.Tensor)})
     h = hashlib.sha256()
     for name in sorted(flat):

@@ -239,11 +239,11 @@ def train(cfg: TrainConfig) -> TrainResult:
             dist.all_reduce(mean_loss)
             mean_loss /= world
         result.losses[step] = float(mean_loss)
-        norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         tokens_per_s = cfg.global_batch * inputs.shape[1] / (time.perf_counter() - started)
         if cfg.log:
             _say(f"step {step:>5}/{cfg.steps}  loss {result.losses[step]:.6f}  lr {lr:.3e}  "
-                 f"grad_norm {norm:.3f}  {tokens_per_s:,.0f} tok/s")
+                 f"grad_norm {grad_norm:.3f}  {tokens_per_s:,.0f} tok/s")
         if cfg.ckpt_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             path = save_checkpoint(Path(cfg.ckpt_dir) / f"step-{step}", model, opt, sched, step, position, model_cfg)
             result.checkpoints.append(str(path))

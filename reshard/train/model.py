@@ -151,6 +151,8 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """``forward(tokens[B, T]) -> logits[B, T, vocab]``, causal."""
 
+    freqs_cis: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -173,7 +175,7 @@ class Transformer(nn.Module):
             h = layer(h, self.freqs_cis)
         return self.output(self.norm(h)).float()
 
-    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Transformer:
         """As ``nn.Module.to_empty``, keeping a tied output projection tied: on a plain module
         it replaces each module's tensors one by one, which would untie it (under FSDP2 the
         shared parameter is swapped in place and stays tied)."""
