@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
@@ -105,11 +105,12 @@ class AccelerateFormat:
 
 def _prefixed(part: Catalog, section: str) -> Catalog:
     """``part``'s names under ``section.`` (a file's stem), its nesting one level deeper."""
-    out = Catalog(format=part.format, path=part.path, objects=ObjectTable())
+    objects = ObjectTable()
+    out = Catalog(format=part.format, path=part.path, objects=objects)
     for name, entry in part.tensors.items():
         out.tensors[f"{section}.{name}"] = TensorEntry(f"{section}.{name}", entry.shape, entry.dtype, entry.chunks)
     for name in part.objects:
-        out.objects.set_lazy(f"{section}.{name}", object_loader(part.objects, name))  # type: ignore[attr-defined]
+        objects.set_lazy(f"{section}.{name}", object_loader(part.objects, name))
     out.paths = {f"{section}.{n}": (section, *part.nested_path(n)) for n in [*part.tensors, *part.objects]}
     out.attrs[CONTAINERS_ATTR] = {(section, *p): kind for p, kind in (part.attrs.get(CONTAINERS_ATTR) or {}).items()}
     out.notices = [f"{section}: {n}" for n in part.notices]
@@ -124,7 +125,7 @@ def _merge(catalog: Catalog, part: Catalog, containers: dict[tuple, str]) -> Non
     for name in part.objects:
         if name in catalog.tensors or name in catalog.objects:
             raise CorruptCheckpointError(f"{part.path}: {name!r} is also in another part of {catalog.path}")
-        catalog.objects.set_lazy(name, object_loader(part.objects, name))  # type: ignore[attr-defined]
+        cast(ObjectTable, catalog.objects).set_lazy(name, object_loader(part.objects, name))  # read() made it one
     catalog.paths.update({n: part.nested_path(n) for n in [*part.tensors, *part.objects] if n in part.paths})
     containers.update(part.attrs.get(CONTAINERS_ATTR) or {})
     catalog.notices += part.notices

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from reshard.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
 from reshard.storage import RemotePath
@@ -162,13 +162,14 @@ def detect_format(path: Path | RemotePath) -> Format:
     it. A ``RemotePath`` is offered to every entry too, so a checkpoint of a format reshard
     cannot read from a URL is refused by name rather than taken for another one."""
     remote = isinstance(path, RemotePath)
-    path = path if remote else Path(path)
+    if not isinstance(path, RemotePath):
+        path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such file or directory")
     for entry in list(FORMATS):
         fmt = get_format(entry.name)
         try:
-            found = fmt.detect(path)
+            found = fmt.detect(cast(Path, path))  # a RemotePath stands in for a Path (reshard.storage)
         except (TypeError, OSError):  # a reader that needs a local file (open(), mmap) cannot look at a URL
             if not remote:
                 raise

@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from reshard.catalog import Catalog, ObjectTable, TensorEntry
+from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats.safetensors.format import _CONFIGS, _load_json
 from reshard.formats.torch.ranks import complete_set, first_refused, read_set
@@ -82,14 +82,15 @@ def read_verl(path: Path, sets: dict[str, dict[int, Path]]) -> Catalog:
             raise UnsafeCheckpointError(refused) from e
         raise
     world = len(next(iter(sets.values())))
-    catalog = Catalog(format="torch-ranks", path=path, objects=ObjectTable(),
+    objects = ObjectTable()
+    catalog = Catalog(format="torch-ranks", path=path, objects=objects,
                       attrs={"source_world_size": world, "layout": "verl"})
     containers, placements = {}, {}
     for section, part in parts.items():
         for name, entry in part.tensors.items():
             catalog.tensors[f"{section}.{name}"] = TensorEntry(f"{section}.{name}", entry.shape, entry.dtype, entry.chunks)
         for name in part.objects:
-            catalog.objects.set_lazy(f"{section}.{name}", part.objects.lazy(name))  # type: ignore[attr-defined]
+            objects.set_lazy(f"{section}.{name}", object_loader(part.objects, name))
         catalog.paths.update({f"{section}.{name}": (section, *nested) for name, nested in part.paths.items()})
         containers.update({(section, *p): kind for p, kind in (part.attrs.get(CONTAINERS_ATTR) or {}).items()})
         placements.update({f"{section}.{n}": p for n, p in (part.attrs.get("source_placements") or {}).items()})

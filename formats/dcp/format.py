@@ -69,9 +69,11 @@ def _items(index: DCPIndex) -> list[Item]:
 def _chunk_data(root: Path, it: Item, placed: Placed, path: Path | None = None) -> ChunkData:
     path = path or root / it.rec.relpath
     where = f"{path}: {it.describe()}"
+    assert it.box is not None and it.dtype is not None  # a tensor chunk's item
     if placed.kind == ZSTD:
         return ZstdChunk(path, it.rec.offset, it.rec.length, it.dtype, it.box.sizes, where)
     if placed.kind != ZIP:
+        assert placed.region is not None  # a blob's, located by place_records
         return placed.region
     region = read_torch_zip(path, it.rec.offset, it.rec.length, it.name)
     if not isinstance(region, StoredRegion):
@@ -101,6 +103,7 @@ class _LazyChunk:
     archive's header up front would cost a read per chunk before ``inspect`` could print."""
 
     __slots__ = ("path", "name", "table", "k", "located", "box", "dtype", "_data")
+    _data: ChunkData | None
 
     def __init__(self, path: Path, name: str, table: ChunkTable, k: int, located: np.ndarray, box: Box,
                  dtype: DType) -> None:
@@ -219,7 +222,7 @@ class DCPFormat:
         catalog.objects = ObjectTable(loaders)
         return catalog
 
-    def writer(self, dst: Path, options: ConvertOptions | None = None) -> DCPWriter:
+    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> DCPWriter:
         return DCPWriter()
 
 

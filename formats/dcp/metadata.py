@@ -12,12 +12,12 @@ A folder saved with ``use_collectives=False`` has no ``.metadata`` but one
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -42,7 +42,8 @@ class _Record:
     frozen cannot be hashed, so a file that uses one as a key is refused here as torch refuses it."""
 
     __slots__: tuple[str, ...] = ()
-    __hash__ = None  # type: ignore[assignment]
+    # None: unhashable, Python's way, which typeshed's object.__hash__ (a method) does not allow
+    __hash__: ClassVar[Callable[[object], int] | None] = None  # type: ignore[assignment]
 
     def __setstate__(self, state: Any) -> None:
         fields = _as_dict(self, state)  # once per object: hundreds of thousands are unpickled
@@ -67,6 +68,10 @@ def _as_dict(obj: _Record, state: Any) -> dict:
 class Metadata(_Record):
     # reshard_containers: written by reshard beside torch's fields (reshard.structure)
     __slots__ = ("state_dict_metadata", "planner_data", "storage_data", "reshard_containers")
+    state_dict_metadata: Any
+    planner_data: Any
+    storage_data: Any
+    reshard_containers: Any
 
 
 class TensorStorageMetadata(_Record):
@@ -509,7 +514,8 @@ def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
     records = _StorageRecords(meta.storage_data, meta_path, files)
     meta.storage_data = None  # its records are columns now; let the objects go
 
-    tensors, objects = {}, {}
+    tensors: dict[str, tuple[tuple[int, ...], DType, Any]] = {}  # chunk lists, then their tables
+    objects = {}
     for name, md in meta.state_dict_metadata.items():
         where = f"{meta_path}: {name!r}"
         if not isinstance(name, str):

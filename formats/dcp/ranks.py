@@ -75,6 +75,7 @@ def _merge(into: DCPIndex, index: DCPIndex, path: Path, origin: dict[str, Path])
             origin[name] = path
             continue
         shape0, dtype0, have = into.tensors[name]
+        assert isinstance(have, list)  # merged entries are lists (above)
         if (shape0, dtype0) != (shape, dtype):
             raise _conflict(path, name, f"{dtype} {list(shape)}", f"{dtype0} {list(shape0)}", origin[name])
         boxes = {b.offsets: b for b, _ in have}
@@ -95,7 +96,8 @@ def _merge(into: DCPIndex, index: DCPIndex, path: Path, origin: dict[str, Path])
         else:
             into.objects[name] = rec
             origin[name] = path
-    for table, what in ((into.paths, index.paths), (into.containers, index.containers)):
+    nestings: tuple[tuple[dict, dict], ...] = ((into.paths, index.paths), (into.containers, index.containers))
+    for table, what in nestings:
         for key, value in what.items():
             if key in table and table[key] != value:
                 raise CorruptCheckpointError(

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from reshard.formats.dcp.metadata import DCPIndex, StorageRecord
 from reshard.formats.dcp.safetensors import BlobChunk, read_blob
 from reshard.formats.dcp.zstd import DESCRIPTOR, content_size, require_zstandard
 from reshard.regions import StoredRegion, read_exact
-from reshard.storage import close, handle_size, open_read
+from reshard.storage import Handle, close, handle_size, open_read
 
 __all__ = ["ZIP", "ZSTD", "BLOB", "Item", "Placed", "place_records", "sniff_record", "RecordColumns"]
 
@@ -100,14 +101,16 @@ def _place_file(path: Path, items: list[Item]) -> dict[Item, Placed]:
             placed[it] = Placed(kind)
             extents.append(_Extent(it.rec.offset, it.rec.offset + it.rec.length, f"the {kind} of {it.describe()}"))
     for start, group in blobs.items():
-        blob = read_blob(path, start, [BlobChunk(it.name, it.box, it.dtype, it.rec.length) for it in group])
+        # a blob holds tensor chunks only (_kind): each item has its box and dtype
+        blob = read_blob(path, start, [BlobChunk(it.name, cast(Box, it.box), cast(DType, it.dtype), it.rec.length)
+                                       for it in group])
         placed.update((it, Placed(BLOB, region)) for it, region in zip(group, blob.regions))
         extents.append(_Extent(start, blob.end, f"the safetensors blob at byte {start}", blob.header_end))
     _check_disjoint(path, extents)
     return placed
 
 
-def _kind(fd: int, size: int, path: Path, it: Item) -> str:
+def _kind(fd: Handle, size: int, path: Path, it: Item) -> str:
     rec = it.rec
     truncated = CorruptCheckpointError(
         f"{path}: {it.describe()} needs bytes up to {rec.offset + rec.length}, file has {size} (truncated?)"

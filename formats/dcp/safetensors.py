@@ -146,7 +146,7 @@ def assemble(name: str, parts: list[tuple[Path, StoredRegion, Box | None]]) -> T
             raise CorruptCheckpointError(f"{file}: tensor {name!r} is also stored in {file0}")
         if region.dtype != region0.dtype:
             raise CorruptCheckpointError(f"{file}: {name!r} is {region.dtype} here but {region0.dtype} in {file0.name}")
-    boxes = [box for _, _, box in parts]
+    boxes = [box for _, _, box in parts if box is not None]  # every part's (checked above)
     shape = tuple(map(max, zip(*(b.ends for b in boxes))))
     problem = tiles_exactly(shape, boxes)
     if problem:
@@ -154,4 +154,4 @@ def assemble(name: str, parts: list[tuple[Path, StoredRegion, Box | None]]) -> T
             f"{file0}: {name!r}, placed by {SHARDING_KEY} in {len(parts)} file(s): {problem}; "
             "a shard file is missing, duplicated or was overwritten"
         )
-    return TensorEntry(name, shape, region0.dtype, [Chunk(box, region) for _, region, box in parts])
+    return TensorEntry(name, shape, region0.dtype, [Chunk(box, region) for box, (_, region, _) in zip(boxes, parts)])

@@ -239,16 +239,16 @@ class _Zero:
                            [Chunk(full_box(region.shape), region)], ("module", name))
         shared = m0.get("shared_params") or {}
         for alias, source in shared.items() if isinstance(shared, Mapping) else ():
-            entry = self.catalog.tensors.get(source)
-            if entry is not None and alias not in self.catalog.tensors:
-                add_tensor(self.catalog, alias, entry.shape, entry.dtype, entry.chunks, (alias,))
+            original = self.catalog.tensors.get(source)
+            if original is not None and alias not in self.catalog.tensors:
+                add_tensor(self.catalog, alias, original.shape, original.dtype, original.chunks, (alias,))
 
     def _objects(self, params: list[ZeroParam]) -> None:
         """Param groups (``params`` as FQNs), the optimizer's own scalars and the engine state."""
         o0 = self.osd[0]
         torch_state = o0.get("base_optimizer_state" if self.stage < 3 else "optimizer_state_dict") or {}
         groups = torch_state.get("param_groups") if isinstance(torch_state, Mapping) else None
-        names_of = {}
+        names_of: dict[int, list[str]] = {}
         for p in params:
             names_of.setdefault(p.group, []).append(p.name)
         optimizer: dict[str, Any] = {k: plain(v) for k, v in o0.items() if k not in _PARTITIONS}
@@ -256,7 +256,8 @@ class _Zero:
             optimizer["param_groups"] = []
             for g in groups:
                 g = dict(g)
-                ids = g.get("params") if isinstance(g.get("params"), list) else []
+                listed = g.get("params")
+                ids = listed if isinstance(listed, list) else []
                 g["params"] = [n for i in ids if isinstance(i, int) for n in names_of.get(i, [])]
                 optimizer["param_groups"].append(g)
         add_objects(self.catalog, {"optimizer": optimizer}, self.optim_refused, self.files.optim[0])

@@ -119,7 +119,8 @@ def _objects(catalog: Catalog, model: Any, model_path: Path, optim: Any, state_p
         fixed = []
         for group in values.get("param_groups") or []:
             group = dict(group)
-            ids = group.get("params") if isinstance(group.get("params"), list) else []
+            listed = group.get("params")
+            ids = listed if isinstance(listed, list) else []
             group["params"] = [n for i in ids if isinstance(i, int) and i < len(names) for n in names[i]]
             fixed.append(group)
         if fixed:

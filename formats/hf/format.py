@@ -43,7 +43,7 @@ class HFFormat:
     def read(self, path: Path) -> Catalog:
         return SafetensorsFormat().read(path)
 
-    def writer(self, dst: Path, options: ConvertOptions | None = None) -> HFWriter:
+    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> HFWriter:
         options = options or ConvertOptions()
         return HFWriter(dst, max_shard_size=options.shard_bytes, architecture_check=options.architecture_check)
 
@@ -55,7 +55,7 @@ class HFWriter(SafetensorsWriter):
     describes (``reshard.architecture``): an export that would load as another, partial or
     random model is refused, unless ``architecture_check`` is off, which the model card says."""
 
-    def __init__(self, dst: Path, *, max_shard_size: int | None = None, architecture_check: bool = True) -> None:
+    def __init__(self, dst: Path | str, *, max_shard_size: int | None = None, architecture_check: bool = True) -> None:
         super().__init__(dst, max_shard_size=max_shard_size or parse_size(_HUB_SHARD_SIZE))
         self.dst = Path(dst)
         self.architecture_check = architecture_check

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import os
+from collections.abc import Mapping
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
@@ -113,15 +114,15 @@ def _source_files(path: Path) -> tuple[Path | None, dict[Path, set[str] | None]]
     main = path / INDEX_NAME
     indexes = [main] if main.is_file() else sorted(p for p in path.glob("*.safetensors.index.json") if p.is_file())
     if indexes:
-        files = dict(_indexed_files(path, indexes))
+        indexed: dict[Path, set[str] | None] = dict(_indexed_files(path, indexes))
         single = path / "model.safetensors"
-        if main.is_file() and single.is_file() and single not in files:
+        if main.is_file() and single.is_file() and single not in indexed:
             # transformers loads model.safetensors before looking for an index: which one is
             # the model is not ours to guess.
             raise CorruptCheckpointError(f"{path}: holds both model.safetensors and {INDEX_NAME} naming other files; "
                                          "transformers would load model.safetensors and ignore the index: remove the "
                                          "one that does not belong")
-        return path, files
+        return path, indexed
     files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     if not files:
         raise CheckpointNotFoundError(f"{path}: no *.safetensors file or index in this folder")
@@ -226,14 +227,14 @@ class SafetensorsFormat:
                 catalog.attrs[key] = _load_json(root / filename, filename)
         return catalog
 
-    def writer(self, dst: Path, options: ConvertOptions | None = None) -> SafetensorsWriter:
+    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> SafetensorsWriter:
         return SafetensorsWriter(dst, max_shard_size=(options or ConvertOptions()).shard_bytes)
 
 
 # ---------------------------------------------------------------------------------- writing
 
 
-def _encode_objects(objects: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+def _encode_objects(objects: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """(name -> encoded value, name -> why it could not be encoded)."""
     kept, dropped = {}, {}
     for name, value in objects.items():
@@ -264,7 +265,7 @@ class SafetensorsWriter:
 
     finish_rewrites_data = False  # finish writes the index only
 
-    def __init__(self, dst: Path, *, max_shard_size: int | None = None) -> None:
+    def __init__(self, dst: Path | str, *, max_shard_size: int | None = None) -> None:
         if max_shard_size is not None and max_shard_size <= 0:
             raise UsageError(f"max_shard_size must be positive, got {max_shard_size}")
         self.max_shard_size = max_shard_size

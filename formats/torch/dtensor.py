@@ -87,6 +87,8 @@ def dtensor_ref(where: str, wrapper: Any, state: dict) -> DTensorRef:
     global_shape = tuple(meta.args[0]) if isinstance(meta, Record) and meta.args else None
     if global_shape is None and isinstance(wrapper, Record):
         global_shape = wrapper.args[1]
+    if global_shape is None:
+        raise CorruptCheckpointError(f"{where}: DTensor without its global shape")
     mesh = s.get("mesh")
     mstate = mesh.state if isinstance(mesh, Record) and isinstance(mesh.state, dict) else {}
     layout = mstate.get("_layout")

@@ -98,7 +98,7 @@ def _check_shard_order(ref: DTensorRef, placements: tuple[Placement, ...], where
     order = ref.extra.get("shard_order")
     if order is None:
         return
-    dims = sorted({d for k, d in placements if k == "Shard"})
+    dims = sorted({d for k, d in placements if k == "Shard" and d is not None})  # a Shard has its dim
     default = [(d, tuple(m for m, (k, dd) in enumerate(placements) if k == "Shard" and dd == d)) for d in dims]
     got = []
     for entry in order if isinstance(order, tuple) else ():
@@ -224,7 +224,8 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
                     "save with FSDP2, or save a DCP checkpoint (dcp.save) and convert that")
     if LAYOUT_KEY in trees[0].leaves:  # written by reshard for a mesh
         return read_layout_files(path, files, trees)
-    catalog = Catalog(format="torch-ranks", path=path, attrs={"source_world_size": len(files)}, objects=ObjectTable())
+    objects = ObjectTable()
+    catalog = Catalog(format="torch-ranks", path=path, attrs={"source_world_size": len(files)}, objects=objects)
     names = list(dict.fromkeys(n for t in trees.values() for n in t.leaves))
     placements: dict[str, list[str]] = {}
     per_rank: list[str] = []
@@ -234,7 +235,7 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
         copies = [(r, f, v) for r, f, (_, v) in held]
         refused = next(((f, v) for _, f, v in copies if isinstance(v, RefusedLeaf)), None)
         if refused is not None:  # refused when asked for, whatever the other ranks hold
-            catalog.objects.set_lazy(name, leaf_loader(refused[1], str(refused[0]), name))
+            objects.set_lazy(name, leaf_loader(refused[1], str(refused[0]), name))
             catalog.paths[name] = nested
             continue
         kinds = {_kind(v): f for _, f, v in copies}
@@ -243,7 +244,7 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
             raise CorruptCheckpointError(f"{path}: {name!r} is a {a} in {fa.name} but a {b} in {fb.name}")
         if isinstance(leaf, DTensorRef):
             shards = [(r, f, v) for r, f, (_, v) in held]
-            catalog.tensors[name] = _sharded_entry(name, shards, len(files), path)  # type: ignore[arg-type]
+            catalog.tensors[name] = _sharded_entry(name, shards, len(files), path)
             catalog.paths[name] = nested
             catalog.attrs.setdefault("source_mesh", leaf.mesh_shape)
             if leaf.mesh_dim_names:
@@ -266,7 +267,7 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
             if tensor:
                 catalog.tensors[flat] = TensorEntry(flat, value.shape, value.dtype, [Chunk(full_box(value.shape), value)])
             else:
-                catalog.objects.set_lazy(flat, leaf_loader(value, str(file), flat))
+                objects.set_lazy(flat, leaf_loader(value, str(file), flat))
             catalog.paths[flat] = where
     if per_rank:
         catalog.notices.append(

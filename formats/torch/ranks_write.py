@@ -102,7 +102,7 @@ def read_layout_files(path: Path, files: dict[int, Path], trees: dict[int, FlatT
         if len(files) != math.prod(mesh_shape) or coord != rank_coordinate(rank, mesh_shape):
             raise CorruptCheckpointError(f"{file}: written for rank at {coord} of mesh {mesh_shape}, found as rank {rank} of {len(files)}")
         for name, info in record["tensors"].items():
-            nested, leaf = tree.leaves.get(name, (None, None))
+            nested, leaf = tree.leaves.get(name, ((), None))
             if not isinstance(leaf, StoredRegion):
                 raise CorruptCheckpointError(f"{file}: the layout names {name!r}, which is not a tensor in the file")
             shape = tuple(int(s) for s in info.get("shape", ()))

@@ -297,7 +297,7 @@ class TorchSaveFormat:
             catalog.attrs[CONTAINERS_ATTR] = flat.containers
         return catalog
 
-    def writer(self, dst: Path, options: ConvertOptions | None = None) -> TorchSaveWriter:
+    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> TorchSaveWriter:
         return TorchSaveWriter(dst)
 
 
@@ -307,7 +307,7 @@ class TorchSaveWriter:
     output_is_dir = False
     finish_rewrites_data = False
 
-    def __init__(self, dst: Path) -> None:
+    def __init__(self, dst: Path | str) -> None:
         stem = Path(dst).stem
         self.archive = stem if _ARCHIVE_NAME.fullmatch(stem) else "archive"  # torch names it after the file
 
@@ -329,7 +329,7 @@ class TorchSaveWriter:
         rank = {name: i for i, name in enumerate(target.paths)}
         order = sorted(leaves, key=lambda n: rank.get(n, len(rank)))
         tree = build_tree(((target.nested_path(n), leaves[n]) for n in order), target.attrs.get(CONTAINERS_ATTR))
-        return [OutputFile("", torch_save_segments(tree, records, archive=self.archive))]  # type: ignore[arg-type]
+        return [OutputFile("", torch_save_segments(tree, records, archive=self.archive))]
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         """Nothing comes last: the archive is complete once its segments are written."""

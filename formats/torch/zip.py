@@ -32,7 +32,7 @@ from reshard.safe_pickle.inert import Inert, Refused, Sealed, inert_name, is_ref
 from reshard.safe_pickle.walk import find_in, path_to, replace_in
 from reshard.safe_pickle.value_types import VALUE_GLOBALS
 from reshard.regions import StoredRegion
-from reshard.storage import close, handle_size, open_read
+from reshard.storage import Handle, close, handle_size, open_read
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads, safe_loads_deferred
 
 if TYPE_CHECKING:
@@ -273,12 +273,13 @@ class TorchPickle:
                 return dtensor_ref(self.where, base, state)
             return base
 
+        # typeshed's ChainMap takes mutable maps only; this one is only read (hence the ignore)
         return ChainMap({
             ("torch._utils", "_rebuild_tensor"): v2,  # torch < 1.0
             ("torch._utils", "_rebuild_tensor_v2"): v2,
             ("torch._utils", "_rebuild_tensor_v3"): v3,
             ("torch._tensor", "_rebuild_from_type_v2"): from_type,
-        }, _static_globals(), VALUE_GLOBALS, _TORCH_OBJECTS)
+        }, _static_globals(), VALUE_GLOBALS, _TORCH_OBJECTS)  # type: ignore[arg-type]
 
     def load(self) -> Any:
         """The object, refusing at once any global that is neither listed nor allowed by the user."""
@@ -296,7 +297,7 @@ class TorchPickle:
 
 
 class _TorchZipReader(TorchPickle):
-    def __init__(self, path: Path, fd: int, start: int, length: int) -> None:
+    def __init__(self, path: Path, fd: Handle, start: int, length: int) -> None:
         self.path, self.fd, self.start, self.length = path, fd, start, length
         self.where = f"{path}" if start == 0 else f"{path} (bytes {start}..{start + length})"
         self.zip = ZipIndex(fd, start, length, self.where, path)

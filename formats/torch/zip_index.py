@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.regions import read_exact
+from reshard.storage import Handle
 
 __all__ = ["ZipEntry", "ZipIndex"]
 
@@ -39,7 +41,7 @@ class ZipEntry:
 class ZipIndex:
     """``entries`` by name; ``data_start(entry)`` is where its bytes begin in the archive."""
 
-    def __init__(self, fd: int, start: int, length: int, where: str, path: object) -> None:
+    def __init__(self, fd: Handle, start: int, length: int, where: str, path: Path | str) -> None:
         self.fd, self.start, self.length, self.where, self.path = fd, start, length, where, path
         self._head = b""
         self._head = self._read(0, min(_HEAD, length))

@@ -23,13 +23,14 @@ import struct
 import sys
 import zlib
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from reshard import dtypes
 from reshard.dtypes import DType
 from reshard.errors import UnsafeCheckpointError
-from reshard.pieces import Piece, Segment, segment_size
+from reshard.pieces import Segment, segment_size
 from reshard.safe_pickle.inert import Inert, Refused, standin_class
 from reshard.safe_pickle.walk import replace_in
 
@@ -63,8 +64,9 @@ def _reduce_piece(obj: PieceRef) -> tuple:
     for s in reversed(obj.shape):
         stride.append(acc)
         acc *= s
-    args = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0, tuple(obj.shape),  # a tuple, as torch.save writes it
-            tuple(reversed(stride)), False, OrderedDict(), obj.dtype)
+    args: tuple[Any, ...] = (_StorageKey(obj.key, n * obj.dtype.itemsize), 0,
+                             tuple(obj.shape),  # a tuple, as torch.save writes it
+                             tuple(reversed(stride)), False, OrderedDict(), obj.dtype)
     return (_REBUILD_V3, args)
 
 
@@ -89,9 +91,12 @@ class _TorchPickler(pickle.Pickler):
         return NotImplemented
 
 
-class _StandinPickler(pickle._Pickler):  # type: ignore[name-defined]
+class _StandinPickler(pickle._Pickler):
     """The pure-Python pickler, for trees that hold stand-ins: a stand-in class is written as
-    the global the input named (Python 2 spellings restored, as pickle's protocol 2 does)."""
+    the global the input named (Python 2 spellings restored, as pickle's protocol 2 does).
+
+    typeshed's ``_Pickler`` leaves out the methods overridden and called here (``save``,
+    ``save_global``, ``write``, ``memoize``): hence the ignores."""
 
     def persistent_id(self, obj: Any) -> Any:
         return _persistent_id(obj)
@@ -99,7 +104,7 @@ class _StandinPickler(pickle._Pickler):  # type: ignore[name-defined]
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
         if isinstance(obj, DType):  # torch's global of that name, as torch.save writes a dtype
             obj = standin_class("torch", obj.name)
-        super().save(obj, save_persistent_id)
+        super().save(obj, save_persistent_id)  # type: ignore[misc]
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, PieceRef):
@@ -108,7 +113,7 @@ class _StandinPickler(pickle._Pickler):  # type: ignore[name-defined]
 
     def save_global(self, obj: Any, name: str | None = None) -> None:
         if not _is_standin_class(obj):
-            return super().save_global(obj, name)
+            return super().save_global(obj, name)  # type: ignore[misc]
         if issubclass(obj, Refused):
             raise UnsafeCheckpointError(f"{obj.refused} was never read (not allowed); it cannot be written")
         module, qualname = obj.inert_module, obj.inert_qualname
@@ -116,8 +121,8 @@ class _StandinPickler(pickle._Pickler):  # type: ignore[name-defined]
             module, qualname = _compat_pickle.REVERSE_NAME_MAPPING[(module, qualname)]
         elif module in _compat_pickle.REVERSE_IMPORT_MAPPING:
             module = _compat_pickle.REVERSE_IMPORT_MAPPING[module]
-        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))
-        self.memoize(obj)
+        self.write(pickle.GLOBAL + f"{module}\n{qualname}\n".encode("utf-8"))  # type: ignore[attr-defined]
+        self.memoize(obj)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ def torch_save_bytes(value: Any) -> bytes:
     names (torch.save would import their modules to name them, or fail)."""
     records: dict[str, Segment] = {}
     tree = embed_tensors(value, records)
-    return b"".join(torch_save_segments(tree, records))  # type: ignore[arg-type]
+    return b"".join(cast("list[bytes]", torch_save_segments(tree, records)))  # embed_tensors records bytes only
 
 
 _DOS_DATE = (0, 33)  # 1980-01-01 00:00, as zip wants a date; torch writes the same zeros
@@ -206,7 +211,7 @@ def zip_segments(records: list[tuple[str, Segment]], archive: str = "archive") -
     return out
 
 
-def torch_save_segments(tree: Any, pieces: dict[str, Piece], archive: str = "archive") -> list[Segment]:
+def torch_save_segments(tree: Any, pieces: Mapping[str, Segment], archive: str = "archive") -> list[Segment]:
     """A whole torch.save archive: ``tree`` holds PieceRef(key) where ``pieces[key]`` goes."""
     records: list[tuple[str, Segment]] = [
         ("data.pkl", torch_pickle(tree)),

@@ -26,9 +26,10 @@ import itertools
 import math
 import os
 import tempfile
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 
 from reshard.catalog import Catalog, Chunk, Target, TensorEntry
@@ -97,6 +98,7 @@ class _Reader:
             key, box = meta.chunk_key(coords), meta.chunk_box(coords)
             size = sizes.get(key)
             if size is None:
+                assert meta.fill is not None  # parse_array_meta always reads one
                 data: Any = FillChunk(meta.fill, meta.dtype)  # zarr writers skip chunks that are all fill_value
             elif codecs.raw and size != meta.chunk_nbytes:
                 raise CorruptCheckpointError(
@@ -179,7 +181,7 @@ def read_store(store: Store, location: Path | str) -> Catalog:
     root = _read_doc(store, ZARR_JSON)
     if root is None:
         raise CheckpointNotFoundError(f"{store.where}: no {ZARR_JSON} at the root; not a zarr v3 store (or an unfinished write)")
-    catalog = Catalog(format="zarr", path=location)  # type: ignore[arg-type] - a URL stays a string
+    catalog = Catalog(format="zarr", path=cast(Path, location))  # a URL stays a string, named in messages
     reader = _Reader(store, catalog)
     if root.get("node_type") == "array":  # a lone array: one tensor named after the store
         reader.add_array("", (Path(str(location).rstrip("/")).name.removesuffix(".zarr") or "array",), root)
@@ -219,7 +221,7 @@ class ZarrFormat:
 # ---------------------------------------------------------------------------------- writing
 
 
-def _encodable(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _encodable(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """(name -> tagged JSON, name -> value JSON cannot hold exactly)."""
     kept, other = {}, {}
     for name, value in values.items():

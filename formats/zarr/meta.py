@@ -207,12 +207,12 @@ def _dtype(doc: dict[str, Any], attributes: dict[str, Any], where: str) -> DType
             raise CorruptCheckpointError(f"{where}: data_type {name!r} contradicts attribute {DTYPE_ATTR}={stored!r}")
         return dtype
     if isinstance(name, str) and name[:1] == "r" and name[1:].isdigit():
-        dtype = _TORCH_NAMES.get(stored) if isinstance(stored, str) else None
-        if dtype is None:
+        found = _TORCH_NAMES.get(stored) if isinstance(stored, str) else None
+        if found is None:
             raise UnsupportedFormatError(f"{where}: raw data type {name!r} without a torch dtype in {DTYPE_ATTR}")
-        if int(name[1:]) != dtype.itemsize * 8:
+        if int(name[1:]) != found.itemsize * 8:
             raise CorruptCheckpointError(f"{where}: data_type {name!r} does not have the size of {stored}")
-        return dtype
+        return found
     raise UnsupportedFormatError(f"{where}: data_type {name!r} has no torch equivalent")
 
 
