@@ -117,14 +117,16 @@ MaxMemory = Annotated[str, typer.Option(
 ToMesh = Annotated[Optional[str], typer.Option(
     "--to-mesh", help="Target device mesh: 8, 4x8, dp_replicate=4,dp_shard=8, dp_shard=4,tp=2.")]
 Placements = Annotated[Optional[str], typer.Option(
-    "--placements", help="With --to-mesh: fsdp (1-D default), hsdp (2-D default), fsdp+tp (default for dp_shard=S,tp=T), or a PLAN.json.")]
+    "--placements", help="With --to-mesh: fsdp (1-D default), hsdp (2-D default), fsdp+tp (default for dp_shard=S,tp=T), or a "
+        "PLAN.json.")]
 LayoutOption = Annotated[Optional[str], typer.Option(
     "--layout", help="The tool whose names the checkpoint follows, when detection is wrong: "
     f"{', '.join(c.name for c in CONVENTIONS)} (docs/formats.md).")]
 AllowClass = Annotated[Optional[list[str]], typer.Option(
     "--allow-class", metavar="MODULE.NAME", help="Read objects of this class in a trusted torch file as inert data (repeatable; "
     "its code is never run), like torch's add_safe_globals.")]
-Src = Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint: a DCP folder, .safetensors/.pt file or folder, HF folder, zarr store, a URL of one (s3://, gs://, hf://...), or a Hub repo id.")]
+Src = Annotated[str, typer.Argument(metavar="SRC", help="Checkpoint: a DCP folder, .safetensors/.pt file or folder, HF folder, "
+    "zarr store, a URL of one (s3://, gs://, hf://...), or a Hub repo id.")]
 
 
 def _examples(*examples: tuple[str, str]) -> str:
@@ -232,30 +234,51 @@ def inspect(
     ("the same in bfloat16", "reshard convert ckpt/ out_bf16/ --to hf --config cfg/ --dtype bfloat16")))
 def convert(
     src: Src,
-    dst: Annotated[Optional[str], typer.Argument(metavar="DST", help="Output path or URL (s3://, gs://, memory://...: DCP, safetensors, hf or zarr); default: beside SRC, named after the target.")] = None,
-    to: Annotated[Optional[str], typer.Option("--to", help="Output format: {write_formats} (torch with --to-mesh: one file per rank); default from DST's suffix, else dcp.")] = None,
+    dst: Annotated[Optional[str], typer.Argument(metavar="DST", help="Output path or URL (s3://, gs://, memory://...: DCP, "
+        "safetensors, hf or zarr); default: beside SRC, named after the target.")] = None,
+    to: Annotated[Optional[str], typer.Option("--to", help="Output format: {write_formats} (torch with --to-mesh: one file per "
+        "rank); default from DST's suffix, else dcp.")] = None,
     to_mesh: ToMesh = None,
     placements: Placements = None,
     keep_per_rank: Annotated[bool, typer.Option(
-        "--keep-per-rank", help="With --to-mesh on another rank count: carry per-rank state (RNG, data loader) as is instead of dropping it.")] = False,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast parameters and their optimizer moments (state shaped like its parameter; never step or other values), e.g. bfloat16.")] = None,
-    only: Annotated[Optional[str], typer.Option("--only", help="Keep one part: model (into a .pt/.safetensors file: the model's own keys), optim, or any name prefix.")] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Drop tensors and objects whose names match this glob (repeatable).")] = None,
+        "--keep-per-rank", help="With --to-mesh on another rank count: carry per-rank state (RNG, data loader) as is instead of "
+            "dropping it.")] = False,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Cast parameters and their optimizer moments (state shaped like "
+        "its parameter; never step or other values), e.g. bfloat16.")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Keep one part: model (into a .pt/.safetensors file: the model's "
+        "own keys), optim, or any name prefix.")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Drop tensors and objects whose names match this glob "
+        "(repeatable).")] = None,
     layout: LayoutOption = None,
     keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename tensors: {keymap_presets}, or a MAP.json.")] = None,
-    config: Annotated[Optional[str], typer.Option("--config", help="The model's config: a config.json, an HF folder or a Hub repo id (head counts for key maps; config.json of --to hf).")] = None,
-    hf_assets: Annotated[Optional[str], typer.Option("--hf-assets", help="With --to {takes:hf_assets}: copy the tokenizer, chat template and generation config of this folder or Hub repo id.")] = None,
-    weights_only: Annotated[bool, typer.Option("--weights-only", help="With --to {takes:weights_only}: write the safetensors only, without config.json (not loadable by from_pretrained as is).")] = False,
-    no_architecture_check: Annotated[bool, typer.Option("--no-architecture-check", help="With --to {takes:architecture_check}: write the export even if it is not the model its config.json describes (the model card says it was not checked).")] = False,
-    merge_lora: Annotated[Optional[str], typer.Option("--merge-lora", metavar="ADAPTER", help="With --to {takes:merge_lora}: merge this PEFT LoRA adapter (folder or Hub repo id) into the weights, W + scaling * (B @ A) in float32, streamed.")] = None,
-    keep_dtype: Annotated[Optional[list[str]], typer.Option("--keep-dtype", metavar="REGEX", help="With --dtype or --quantize: tensors whose output name matches this regex keep their source dtype (repeatable).")] = None,
-    quantize: Annotated[Optional[str], typer.Option("--quantize", metavar="fp8", help="With --to {takes:quantize}: store linear weights as float8_e4m3fn with float32 scales per 128x128 block (DeepSeek-V3's format, for vLLM, SGLang, transformers).")] = None,
+    config: Annotated[Optional[str], typer.Option("--config", help="The model's config: a config.json, an HF folder or a Hub "
+        "repo id (head counts for key maps; config.json of --to hf).")] = None,
+    hf_assets: Annotated[Optional[str], typer.Option("--hf-assets", help="With --to {takes:hf_assets}: copy the tokenizer, chat "
+        "template and generation config of this folder or Hub repo id.")] = None,
+    weights_only: Annotated[bool, typer.Option("--weights-only", help="With --to {takes:weights_only}: write the safetensors "
+        "only, without config.json (not loadable by from_pretrained as is).")] = False,
+    no_architecture_check: Annotated[bool, typer.Option("--no-architecture-check", help="With --to {takes:architecture_check}: "
+        "write the export even if it is not the model its config.json describes (the model card says it was not "
+            "checked).")] = False,
+    merge_lora: Annotated[Optional[str], typer.Option("--merge-lora", metavar="ADAPTER", help="With --to {takes:merge_lora}: "
+        "merge this PEFT LoRA adapter (folder or Hub repo id) into the weights, W + scaling * (B @ A) in float32, "
+            "streamed.")] = None,
+    keep_dtype: Annotated[Optional[list[str]], typer.Option("--keep-dtype", metavar="REGEX", help="With --dtype or --quantize: "
+        "tensors whose output name matches this regex keep their source dtype (repeatable).")] = None,
+    quantize: Annotated[Optional[str], typer.Option("--quantize", metavar="fp8", help="With --to {takes:quantize}: store linear "
+        "weights as float8_e4m3fn with float32 scales per 128x128 block (DeepSeek-V3's format, for vLLM, SGLang, "
+            "transformers).")] = None,
     max_memory: MaxMemory = "1GiB",
-    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest file of an output ({takes:max_shard_size}; HF-style shards: default 5GB for hf).")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and check everything, print what would be written, write nothing.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists (only once the new output is complete).")] = False,
-    fsync: Annotated[bool, typer.Option("--fsync", help="Sync the output to disk before it appears (durable across power loss; slower).")] = False,
-    compress: Annotated[bool, typer.Option("--compress", help="zstd-compress the chunks of a {takes:compress} output (smaller, slower; default off).")] = False,
+    max_shard_size: Annotated[Optional[str], typer.Option("--max-shard-size", help="Largest file of an output "
+        "({takes:max_shard_size}; HF-style shards: default 5GB for hf).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Plan and check everything, print what would be written, write "
+        "nothing.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists (only once the new output is "
+        "complete).")] = False,
+    fsync: Annotated[bool, typer.Option("--fsync", help="Sync the output to disk before it appears (durable across power loss; "
+        "slower).")] = False,
+    compress: Annotated[bool, typer.Option("--compress", help="zstd-compress the chunks of a {takes:compress} output (smaller, "
+        "slower; default off).")] = False,
     allow_class: AllowClass = None,
     as_json: AsJson = False,
     quiet: Quiet = False,
@@ -305,12 +328,17 @@ def convert(
 def verify(
     a: Annotated[str, typer.Argument(metavar="A", help="First checkpoint (any format; a path, URL or Hub repo id).")],
     b: Annotated[Optional[str], typer.Argument(metavar="B", help="Second checkpoint (any format).")] = None,
-    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for floating/complex values (default: exact, bit for bit).")] = None,
-    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for floating/complex values (default: exact).")] = None,
-    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename A's tensors first (e.g. titan-to-hf), to compare across a rename.")] = None,
-    only: Annotated[Optional[str], typer.Option("--only", help="Compare one part of both: model (each side's model tensors by FQN), optim, or a name prefix.")] = None,
+    atol: Annotated[Optional[float], typer.Option("--atol", help="Absolute tolerance for floating/complex values (default: "
+        "exact, bit for bit).")] = None,
+    rtol: Annotated[Optional[float], typer.Option("--rtol", help="Relative tolerance for floating/complex values (default: "
+        "exact).")] = None,
+    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename A's tensors first (e.g. titan-to-hf), to compare "
+        "across a rename.")] = None,
+    only: Annotated[Optional[str], typer.Option("--only", help="Compare one part of both: model (each side's model tensors by "
+        "FQN), optim, or a name prefix.")] = None,
     quick: Annotated[bool, typer.Option(
-        "--quick", help="Check one output folder against its .reshard-manifest.json (sizes, SHA-256); no source needed.")] = False,
+        "--quick", help="Check one output folder against its .reshard-manifest.json (sizes, SHA-256); no source "
+            "needed.")] = False,
     max_memory: MaxMemory = "1GiB",
     allow_class: AllowClass = None,
     as_json: AsJson = False,
@@ -362,17 +390,23 @@ def verify(
     ("", "reshard push out/ me/my-model --private"),
     ("", "reshard push out/ org/model --create-pr --exclude 'README.md'")))
 def push(
-    folder: Annotated[Path, typer.Argument(metavar="FOLDER", help="HF model folder to upload (from `reshard convert SRC --to hf`).")],
+    folder: Annotated[Path, typer.Argument(metavar="FOLDER", help="HF model folder to upload (from `reshard convert SRC --to "
+        "hf`).")],
     repo_id: Annotated[str, typer.Argument(metavar="REPO_ID", help="Hub model repo, owner/name; created if it does not exist.")],
     private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
     revision: Annotated[Optional[str], typer.Option("--revision", help="Branch to push to (created if needed).")] = None,
     commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Message of the upload commit.")] = None,
-    token: Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN or `hf auth login`).")] = None,
-    create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead of committing to the branch.")] = False,
-    include: Annotated[Optional[list[str]], typer.Option("--include", help="Upload only files matching this glob (repeatable).")] = None,
-    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Do not upload files matching this glob (repeatable).")] = None,
+    token: Annotated[Optional[str], typer.Option("--token", help="Hugging Face token (default: HF_TOKEN or `hf auth "
+        "login`).")] = None,
+    create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead of committing to the "
+        "branch.")] = False,
+    include: Annotated[Optional[list[str]], typer.Option("--include", help="Upload only files matching this glob "
+        "(repeatable).")] = None,
+    exclude: Annotated[Optional[list[str]], typer.Option("--exclude", help="Do not upload files matching this glob "
+        "(repeatable).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the folder and list what would be sent; no network.")] = False,
-    no_architecture_check: Annotated[bool, typer.Option("--no-architecture-check", help="Push even if the weights are not the model config.json describes.")] = False,
+    no_architecture_check: Annotated[bool, typer.Option("--no-architecture-check", help="Push even if the weights are not the "
+        "model config.json describes.")] = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -399,7 +433,8 @@ def push(
 
 
 ModelPreset = Annotated[str, typer.Option("--config", help="Model config preset: tiny, small or 100m.")]
-GlobalBatch = Annotated[int, typer.Option("--global-batch", help="Samples per step over all ranks (divisible by the rank count).")]
+GlobalBatch = Annotated[int, typer.Option("--global-batch", help="Samples per step over all ranks (divisible by the rank "
+    "count).")]
 TrainDevice = Annotated[str, typer.Option("--device", help="auto (GPUs with NCCL when each rank has one), cpu or cuda.")]
 
 
@@ -408,20 +443,28 @@ TrainDevice = Annotated[str, typer.Option("--device", help="auto (GPUs with NCCL
     ("continue on 3 ranks", "reshard train --to-mesh 3 --steps 8 --resume runs/a --ckpt-dir runs/a"),
     ("", "torchrun --nproc_per_node 8 -m reshard train --to-mesh 2x4 --config 100m")))
 def train(
-    mesh: Annotated[Optional[str], typer.Option("--to-mesh", help="Data-parallel mesh to train on: N (FSDP), RxS or dp_replicate=R,dp_shard=S (HSDP).")] = None,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Ranks to spawn (default: the mesh's size); leave out under torchrun.")] = None,
-    steps: Annotated[int, typer.Option("--steps", help="Train until this step (a resumed run continues from its checkpoint's step).")] = 10,
+    mesh: Annotated[Optional[str], typer.Option("--to-mesh", help="Data-parallel mesh to train on: N (FSDP), RxS or "
+        "dp_replicate=R,dp_shard=S (HSDP).")] = None,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Ranks to spawn (default: the mesh's size); leave out under "
+        "torchrun.")] = None,
+    steps: Annotated[int, typer.Option("--steps", help="Train until this step (a resumed run continues from its checkpoint's "
+        "step).")] = 10,
     ckpt_dir: Annotated[Optional[Path], typer.Option("--ckpt-dir", help="Save DCP checkpoints here as step-N/.")] = None,
-    save_every: Annotated[int, typer.Option("--save-every", help="Save every K steps (and at the last step); 0: last step only.")] = 0,
-    resume: Annotated[Optional[Path], typer.Option("--resume", help="Checkpoint to resume from, in any format and from any mesh (or a --ckpt-dir: its latest step).")] = None,
+    save_every: Annotated[int, typer.Option("--save-every", help="Save every K steps (and at the last step); 0: last step "
+        "only.")] = 0,
+    resume: Annotated[Optional[Path], typer.Option("--resume", help="Checkpoint to resume from, in any format and from any mesh "
+        "(or a --ckpt-dir: its latest step).")] = None,
     config: ModelPreset = "tiny",
-    tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings", help="Share the embedding with the output projection.")] = False,
+    tie_embeddings: Annotated[bool, typer.Option("--tie-embeddings", help="Share the embedding with the output "
+        "projection.")] = False,
     global_batch: GlobalBatch = 12,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (linear warmup, then cosine).")] = 3e-3,
     warmup: Annotated[int, typer.Option("--warmup", help="Warmup steps.")] = 2,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the initial weights and the synthetic data.")] = 0,
-    mixed_precision: Annotated[bool, typer.Option("--mixed-precision", help="bf16 parameters in compute, fp32 gradient reduction.")] = False,
-    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename the --resume checkpoint's tensors first, e.g. hf-to-titan.")] = None,
+    mixed_precision: Annotated[bool, typer.Option("--mixed-precision", help="bf16 parameters in compute, fp32 gradient "
+        "reduction.")] = False,
+    keymap: Annotated[Optional[str], typer.Option("--keymap", help="Rename the --resume checkpoint's tensors first, e.g. "
+        "hf-to-titan.")] = None,
     device: TrainDevice = "auto",
     as_json: AsJson = False,
     quiet: Quiet = False,
@@ -459,11 +502,14 @@ def validate(
     from_mesh: Annotated[str, typer.Option("--from-mesh", help="Mesh the checkpoint is trained and saved on.")],
     to_mesh: Annotated[str, typer.Option("--to-mesh", help="Mesh every converted checkpoint is resumed on.")],
     steps: Annotated[int, typer.Option("--steps", help="Steps before the checkpoint, and again after resuming.")] = 3,
-    via: Annotated[str, typer.Option("--via", help="Conversion paths, comma-separated: dcp,safetensors,torch,zarr.")] = "dcp,safetensors,torch,zarr",
+    via: Annotated[str, typer.Option("--via", help="Conversion paths, comma-separated: "
+        "dcp,safetensors,torch,zarr.")] = "dcp,safetensors,torch,zarr",
     config: ModelPreset = "tiny",
     global_batch: GlobalBatch = 12,
-    rtol: Annotated[float, typer.Option("--rtol", help="Largest relative loss difference after resume that still matches.")] = 1e-4,
-    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Keep the checkpoints and conversions here (default: a temp dir).")] = None,
+    rtol: Annotated[float, typer.Option("--rtol", help="Largest relative loss difference after resume that still "
+        "matches.")] = 1e-4,
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="Keep the checkpoints and conversions here (default: a "
+        "temp dir).")] = None,
     device: TrainDevice = "auto",
     as_json: AsJson = False,
     debug: Debug = False,

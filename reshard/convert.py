@@ -266,7 +266,8 @@ def excluded(catalog: Catalog, globs: str | Sequence[str] | None) -> Catalog:
         return catalog
     gone = [n for n in (*catalog.tensors, *catalog.objects) if any(fnmatch.fnmatchcase(n, g) for g in patterns)]
     if not gone:
-        raise UsageError(f"{option('--exclude ' + ' '.join(patterns), f'exclude={patterns!r}')} matches nothing in {catalog.path}; try `reshard inspect` for names")
+        raise UsageError(f"{option('--exclude ' + ' '.join(patterns), f'exclude={patterns!r}')} matches nothing in "
+                         f"{catalog.path}; try `reshard inspect` for names")
     drop = set(gone)
     return replace(catalog, tensors={n: t for n, t in catalog.tensors.items() if n not in drop},
                    objects=pick_objects(catalog.objects, [n for n in catalog.objects if n not in drop]),

@@ -213,7 +213,8 @@ def _offline() -> bool:
 def _network_error(e: BaseException) -> bool:
     # huggingface_hub's HTTP client changed between releases (requests, httpx, httpx2).
     module = type(e).__module__.split(".")[0]
-    return isinstance(e, (OSError, ConnectionError, TimeoutError)) or module.startswith(("httpx", "httpcore", "requests", "urllib3"))
+    return isinstance(e, (OSError, ConnectionError, TimeoutError)) or module.startswith(("httpx", "httpcore", "requests",
+                                                                                         "urllib3"))
 
 
 def _check_arguments(folder: Path, repo_id: str) -> None:
@@ -249,7 +250,8 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, revi
 
     The folder is checked first (``check_folder``: config, index, headers, ties, and the
     architecture config.json names, built by transformers on the meta device, unless
-    ``architecture_check=False``) and no file may pass the Hub's 50 GB per-file limit; ``dry_run=True`` returns the files and sizes that would
+    ``architecture_check=False``) and no file may pass the Hub's 50 GB per-file limit; ``dry_run=True`` returns the files and
+    sizes that would
     be sent without touching the network. ``include``/``exclude`` are globs on the folder's
     paths. A repo that already holds other files (a tokenizer uploaded first) is fine; weight
     files the push would leave stale are named in ``notices``. ``create_pr`` opens a pull
@@ -313,7 +315,8 @@ def push(folder: str | os.PathLike, repo_id: str, *, private: bool = False, revi
         raise ReshardError(f"{repo_id}: the Hub refused the push: {_first_line(e)}{hint}") from None
     except Exception as e:
         if _network_error(e):
-            raise ReshardError(f"{repo_id}: could not reach the Hub ({_first_line(e)}); check the network, or use --dry-run") from None
+            raise ReshardError(f"{repo_id}: could not reach the Hub ({_first_line(e)}); check the network, or use "
+                               f"--dry-run") from None
         raise
     log_notices(result.notices)
     return result

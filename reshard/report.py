@@ -17,7 +17,8 @@ from reshard.dtypes import dtype_name
 from reshard.gc_pause import without_gc
 from reshard.sizes import format_size, plural
 
-__all__ = ["CatalogReport", "catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr", "dry_run_table", "format_name", "summary_line"]
+__all__ = ["CatalogReport", "catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr", "dry_run_table",
+           "format_name", "summary_line"]
 
 
 def _jsonable(value: Any) -> Any:

@@ -164,7 +164,8 @@ class StagedOutput:
             _fsync_dir(self.staging)
         exists = self.dst.exists() or self.dst.is_symlink()
         if exists and not self.overwrite:
-            raise OutputExistsError(f"{self.dst} appeared while converting; pass {option('--overwrite', 'overwrite=True')} to replace it")
+            raise OutputExistsError(f"{self.dst} appeared while converting; pass {option('--overwrite', 'overwrite=True')} to "
+                                    f"replace it")
         if exists and not self.is_dir and not self.dst.is_dir():
             os.replace(self.staging, self.dst)  # one atomic step for a file over a file
         elif exists:

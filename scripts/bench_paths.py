@@ -198,7 +198,8 @@ def ensure_lora_pair(dcp: Path) -> Path:
                     tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(rows, LORA_RANK, generator=generator) * 0.01
     (out / "adapter").mkdir(exist_ok=True)
     save_file(tensors, out / "adapter" / "adapter_model.safetensors", metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK, "target_modules": ["q_proj", "v_proj", "gate_proj"],
+    config = {"peft_type": "LORA", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK,
+              "target_modules": ["q_proj", "v_proj", "gate_proj"],
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {}}
     (out / "adapter" / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -27,7 +27,8 @@ def test_every_reporting_command_prints_schema_1(fsdp2_dcp, tmp_path: Path) -> N
     src = fsdp2_dcp[0]
     doc = _json("inspect", src, "--to-mesh", "2x2")
     assert doc["command"] == "inspect" and doc["layout"]["name"] == "torch-optim" and len(doc["target"]["ranks"]) == 4
-    assert doc["attrs"]["source_world_size"] == 3 and [t["name"] for t in doc["tensors"]] == sorted(t["name"] for t in doc["tensors"])
+    names = [t["name"] for t in doc["tensors"]]
+    assert doc["attrs"]["source_world_size"] == 3 and names == sorted(names)
     out = _json("convert", src, tmp_path / "m.pt", "--only", "model")
     assert out["command"] == "convert" and out["dst"] == str(tmp_path / "m.pt") and out["files"][0]["path"] == "m.pt"
     plan = _json("convert", src, "--to-mesh", "4", "--dry-run")

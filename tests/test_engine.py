@@ -103,7 +103,8 @@ def test_more_files_than_the_open_file_limit(tmp_path: Path) -> None:
         "reshard.convert(src, mid, mesh='120', quiet=True)\n"
         "reshard.convert(mid, out, quiet=True)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "mid"), str(tmp_path / "out.pt")],
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "mid"),
+                           str(tmp_path / "out.pt")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(list((tmp_path / "mid").glob("*.distcp"))) == 120
@@ -166,7 +167,8 @@ def test_a_cast_reads_its_source_in_small_bands(tmp_path: Path, monkeypatch) -> 
 
     reads: list[int] = []
     real_read = regions._read_into
-    monkeypatch.setattr(regions, "_read_into", lambda fd, view, off, path: reads.append(view.nbytes) or real_read(fd, view, off, path))
+    monkeypatch.setattr(regions, "_read_into", lambda fd, view, off, path: reads.append(view.nbytes) or real_read(fd, view, off,
+                                                                                                                  path))
     t = torch.randn(23, 17)
     cat = _sharded_catalog(tmp_path, t, [23])
     for band in (40, 200, 1 << 20):  # part of a row, a few rows, the whole slab
@@ -187,7 +189,8 @@ def test_column_shards_of_one_tensor_read_their_rows_once(tmp_path: Path, monkey
 
     read: list[int] = []
     real_read = regions._read_into
-    monkeypatch.setattr(regions, "_read_into", lambda fd, view, off, path: read.append(view.nbytes) or real_read(fd, view, off, path))
+    monkeypatch.setattr(regions, "_read_into", lambda fd, view, off, path: read.append(view.nbytes) or real_read(fd, view, off,
+                                                                                                                 path))
     t = torch.randn(37, 101)
     cat = _sharded_catalog(tmp_path, t, [13, 13, 11])
     for dtype in (torch.float32, torch.bfloat16):

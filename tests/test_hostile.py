@@ -160,7 +160,8 @@ def torch_file_truncated(work, marker, dcp_src):
 
 def torch_file_allocates(work, marker, dcp_src):
     torch.save({"w": torch.ones(2)}, work / "big.pt")
-    _replace_pickle(work / "big.pt", b"\x80\x02}q\x00X\x01\x00\x00\x00bcbuiltins\nbytearray\n\x8a\x06\x00\x00\x00\x00\x00\x01\x85Rs.")
+    _replace_pickle(work / "big.pt",
+                    b"\x80\x02}q\x00X\x01\x00\x00\x00bcbuiltins\nbytearray\n\x8a\x06\x00\x00\x00\x00\x00\x01\x85Rs.")
     return work / "big.pt", ("big.pt: cannot be unpickled", "bytearray(int)")
 
 
@@ -303,6 +304,7 @@ def test_installed_entry_point_refuses_code(tmp_path: Path, fsdp2_dcp) -> None:
     src, _ = metadata_hides_code(work, marker, fsdp2_dcp[0])
     assert_one_line_error(reshard_process("convert", src, tmp_path / "dst"), ".metadata", "builtins.eval")
     evil, _ = torch_file_is_code(work, marker, fsdp2_dcp[0])
-    assert_one_line_error(reshard_process("inspect", evil), "evil.pt", ".Popen, which is not on")  # protocol 2 names it commands.Popen
+    assert_one_line_error(reshard_process("inspect", evil), "evil.pt",
+                          ".Popen, which is not on")  # protocol 2 names it commands.Popen
     assert not marker.exists() and not (tmp_path / "dst").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w"]

@@ -166,7 +166,8 @@ def test_push_options_token_pr_include_exclude(folder: Path, hub: type[_Recorder
     assert proc.returncode == 0, proc.stderr
     calls = dict(hub.calls)
     assert calls["init"]["token"] == "hf_mine" and calls["upload_folder"]["create_pr"] is True
-    assert "README.md" not in calls["upload_folder"]["allow_patterns"] and "config.json" in calls["upload_folder"]["allow_patterns"]
+    allowed = calls["upload_folder"]["allow_patterns"]
+    assert "README.md" not in allowed and "config.json" in allowed
     assert "create_branch" not in calls and "pull request on me/tiny" in proc.stdout
     dry = run_cli("push", folder, "me/tiny", "--dry-run", "--include", "*.json")
     assert dry.returncode == 0 and all(line.strip().split()[0].endswith(".json") for line in dry.stdout.splitlines()[1:])

@@ -181,7 +181,8 @@ def test_every_layout_converts_as_its_layout_says(saved: Path) -> None:
         cast = reshard.inspect(saved / f"{variant}_bf16")
         for name, entry in cast.tensors.items():
             role, key = layout.role(name), layout.place(name).key
-            want = torch.bfloat16 if role == PARAM or (role == OPTIM_STATE and key != "step") else source.tensors[name].dtype.torch
+            cast = role == PARAM or (role == OPTIM_STATE and key != "step")
+            want = torch.bfloat16 if cast else source.tensors[name].dtype.torch
             assert entry.dtype.torch == want, (variant, name, entry.dtype)
 
         # --only model / --only optim: exactly the model's and the optimizer's tensors.

@@ -145,7 +145,8 @@ def test_fan_in_fan_out_gpt2(tmp_path: Path) -> None:
     assert got and all("lora_" not in n for n in got)
     for name, t in got.items():
         torch.testing.assert_close(t, expected[name], rtol=0, atol=1e-6, msg=name)
-    assert not torch.equal(got["transformer.h.0.attn.c_attn.weight"], _tensors(tmp_path / "gpt2")["transformer.h.0.attn.c_attn.weight"])
+    assert not torch.equal(got["transformer.h.0.attn.c_attn.weight"],
+                           _tensors(tmp_path / "gpt2")["transformer.h.0.attn.c_attn.weight"])
 
 
 def _edit_config(adapter: Path, **changes: object) -> None:

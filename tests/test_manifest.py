@@ -187,7 +187,8 @@ def test_weights_files_loaders_would_take_instead_fail_verify_quick(tmp_path: Pa
     def check(name: str, detail: str) -> None:
         bad = reshard("verify", "--quick", out)
         assert bad.returncode == 1, bad.stdout
-        assert bad.stdout.splitlines()[0].startswith(f"DIFF {name}: unlisted_weights: not in the manifest, and {detail}"), bad.stdout
+        assert bad.stdout.splitlines()[0].startswith(f"DIFF {name}: unlisted_weights: not in the manifest, and "
+                                                     f"{detail}"), bad.stdout
         assert "note: 1 file(s) not in manifest (added after the conversion, not checked): NOTES.txt" in bad.stdout
         assert "1 file(s) differ from the manifest" in bad.stdout
         as_json = json.loads(reshard("verify", "--quick", out, "--json").stdout)

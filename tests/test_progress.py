@@ -77,7 +77,8 @@ def test_the_rate_off_a_terminal_leaves_start_up_out(clock: list[float], tmp_pat
                                    [Chunk(full_box((1100,)), StoredRegion(tmp_path / "a.bin", 0, torch.float32, (1100,)))])
     slow = _SlowSource(b, clock)
     cat.tensors["b"] = TensorEntry("b", (40, 25), torch.float32, [Chunk(full_box((40, 25)), slow)])
-    plan = make_plan(cat, [OutputFile("f.bin", [Piece("a", full_box((1100,)), a.dtype), Piece("b", full_box((40, 25)), b.dtype)])])
+    plan = make_plan(cat, [OutputFile("f.bin", [Piece("a", full_box((1100,)), a.dtype), Piece("b", full_box((40, 25)),
+                                                                                              b.dtype)])])
     (tmp_path / "out").mkdir()
     # 500 B of budget: slabs of one 100 B row of b, one read each; a (4400 B) is copied first.
     Engine(500, workers=1, desc="w").run(plan, tmp_path / "out", True)

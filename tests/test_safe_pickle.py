@@ -124,7 +124,8 @@ def test_numpy_and_collections_take_data_only(case: str) -> None:
     state["state"]["pos"] = 10**6
     payload = {
         # A field past the itemsize: numpy writes the objects outside the buffer (segfault).
-        "structured_dtype_out_of_bounds": _Reduce(_reconstruct, (np.ndarray, (0,), b"b"), (1, (2,), bad_dtype, False, [None, None])),
+        "structured_dtype_out_of_bounds": _Reduce(_reconstruct, (np.ndarray, (0,), b"b"), (1, (2,), bad_dtype, False, [None,
+                                                                                                                       None])),
         "ndarray_allocates": _Reduce(np.ndarray, ((1 << 40,), "b")),
         "reconstruct_allocates": _Reduce(_reconstruct, (np.ndarray, (1 << 40,), b"b")),
         "array_bytes_short": _Reduce(_reconstruct, (np.ndarray, (0,), b"b"), (1, (1 << 30,), np.dtype("f8"), False, b"")),

@@ -74,7 +74,8 @@ def test_tolerance_compares_complex_by_parts_and_casts_by_value(tmp_path: Path) 
     assert close.ok and close.within_tolerance and not close.equal  # a tolerance never claims bit equality
     torch.save({"c": torch.tensor([1 + 1j, 2 - 3.01j]), "f": torch.tensor([1.0, 2.0])}, b)
     diff = reshard.verify(a, b, atol=1e-3).differences
-    assert [(d.name, d.detail) for d in diff] == [("c", "1 of 2 elements differ (max abs diff 0.00999999, max rel diff 0.00276711)")]
+    assert [(d.name, d.detail) for d in diff] == [("c",
+                                                   "1 of 2 elements differ (max abs diff 0.00999999, max rel diff 0.00276711)")]
     assert reshard.verify(a, b, atol=0.02).within_tolerance
     with pytest.raises(UsageError, match="atol=-1.0: a tolerance must be a finite number >= 0"):
         reshard.verify(a, b, atol=-1.0)

@@ -254,7 +254,8 @@ class SafetensorsWriter:
     ``model-0000i-of-0000n.safetensors`` (5GB shards by default), a lone shard named
     ``model.safetensors``, and ``model.safetensors.index.json`` when there are several shards
     *or* the user asked for a ``max_shard_size`` (so scripts that pass one can count on an
-    index) — except with no tensors at all, where an empty index would hide the lone file. Within a file tensors are ordered as ``save_file`` orders them (widest dtype first,
+    index) — except with no tensors at all, where an empty index would hide the lone file. Within a file tensors are ordered as
+    ``save_file`` orders them (widest dtype first,
     then by name), which keeps every tensor aligned to its element size.
 
     ``__metadata__`` of the first file holds ``{"format": "pt"}``, the source's own metadata

@@ -271,7 +271,8 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
             catalog.paths[flat] = where
     if per_rank:
         catalog.notices.append(
-            f"{len(per_rank)} {'entry differs' if len(per_rank) == 1 else 'entries differ'} between the rank files (per-rank state such as RNG states) and are "
+            f"{len(per_rank)} {'entry differs' if len(per_rank) == 1 else 'entries differ'} between the rank files "
+            "(per-rank state such as RNG states) and are "
             f"kept once per rank as NAME.rank<r>: {', '.join(per_rank[:8])}" + (" ..." if len(per_rank) > 8 else ""))
     if not placements and catalog.tensors and not plain_per_rank:
         raise UnsupportedFormatError(

@@ -100,7 +100,8 @@ def read_layout_files(path: Path, files: dict[int, Path], trees: dict[int, FlatT
         except (KeyError, TypeError, ValueError):
             raise CorruptCheckpointError(f"{file}: {LAYOUT_KEY!r} lacks a valid mesh shape or coordinate") from None
         if len(files) != math.prod(mesh_shape) or coord != rank_coordinate(rank, mesh_shape):
-            raise CorruptCheckpointError(f"{file}: written for rank at {coord} of mesh {mesh_shape}, found as rank {rank} of {len(files)}")
+            raise CorruptCheckpointError(f"{file}: written for rank at {coord} of mesh {mesh_shape}, found as rank {rank} of "
+                                         f"{len(files)}")
         for name, info in record["tensors"].items():
             nested, leaf = tree.leaves.get(name, ((), None))
             if not isinstance(leaf, StoredRegion):
@@ -112,7 +113,8 @@ def read_layout_files(path: Path, files: dict[int, Path], trees: dict[int, FlatT
                 raise CorruptCheckpointError(f"{file}: {name!r} shard {list(leaf.shape)} does not sit where its placements say")
             entry = catalog.tensors.setdefault(name, TensorEntry(name, shape, leaf.dtype))
             if entry.shape != shape or entry.dtype != leaf.dtype:
-                raise CorruptCheckpointError(f"{file}: {name!r} is {leaf.dtype} {list(shape)} here, {entry.dtype} {list(entry.shape)} in rank 0's file")
+                raise CorruptCheckpointError(f"{file}: {name!r} is {leaf.dtype} {list(shape)} here, {entry.dtype} "
+                                             f"{list(entry.shape)} in rank 0's file")
             if box.numel:
                 chunks.setdefault(name, {}).setdefault(box, Chunk(box, leaf))
             catalog.paths[name] = nested
@@ -126,7 +128,8 @@ def read_layout_files(path: Path, files: dict[int, Path], trees: dict[int, FlatT
         if name == LAYOUT_KEY or name in catalog.tensors:
             continue
         if isinstance(leaf, StoredRegion):  # a tensor inside an object: whole, from rank 0
-            catalog.tensors[name] = TensorEntry(name, leaf.shape, leaf.dtype, [Chunk(Box((0,) * len(leaf.shape), leaf.shape), leaf)])
+            catalog.tensors[name] = TensorEntry(name, leaf.shape, leaf.dtype, [Chunk(Box((0,) * len(leaf.shape), leaf.shape),
+                                                                                     leaf)])
         else:
             objects.set_lazy(name, leaf_loader(leaf, str(files[0]), name))
         catalog.paths[name] = nested

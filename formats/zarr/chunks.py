@@ -102,7 +102,8 @@ class Codecs:
             else:
                 hint = " (sharded arrays: rewrite without sharding, e.g. with zarr-python)" if name == "sharding_indexed" else ""
                 if spec.get("must_understand") is False:  # the spec lets a reader skip it; skipping a codec can misread bytes
-                    hint = ' (its "must_understand": false aside: a chunk is not decoded without every codec; zarr-python refuses it too)'
+                    hint = (' (its "must_understand": false aside: a chunk is not decoded without every codec; '
+                            'zarr-python refuses it too)')
                 raise UnsupportedFormatError(f"{where}: codec {name!r} is not supported here{hint}")
         if stage != "bytes":
             raise CorruptCheckpointError(f"{where}: codecs have no array-to-bytes codec ('bytes')")

@@ -317,6 +317,7 @@ class ZarrWriter:
                for a in arrays if not a.regular]
         split = [a.name for a in arrays if a.split]
         if split:
-            out.append(f"{plural(len(split), 'tensor')} (e.g. {split[0]!r}) {'is' if len(split) == 1 else 'are'} stored in chunks smaller than their shards: a "
+            out.append(f"{plural(len(split), 'tensor')} (e.g. {split[0]!r}) {'is' if len(split) == 1 else 'are'} "
+                       "stored in chunks smaller than their shards: a "
                        "compressed chunk is compressed and decoded whole, so each fits an eighth of --max-memory")
         return out

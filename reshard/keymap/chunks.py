@@ -104,7 +104,8 @@ class _Squeezed:
     at: int  # the index along ``dim`` inside ``data``
 
     def read(self, box: Box) -> torch.Tensor:
-        inner = Box(box.offsets[:self.dim] + (self.at,) + box.offsets[self.dim:], box.sizes[:self.dim] + (1,) + box.sizes[self.dim:])
+        inner = Box(box.offsets[:self.dim] + (self.at,) + box.offsets[self.dim:],
+                    box.sizes[:self.dim] + (1,) + box.sizes[self.dim:])
         return self.data.read(inner).squeeze(self.dim)
 
 

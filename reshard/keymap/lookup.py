@@ -38,7 +38,8 @@ def load_keymap(spec: str | Path | dict | KeyMap | FamilyKeyMap) -> KeyMap | Fam
         return PRESETS[str(spec)]()
     path = Path(spec)
     if not path.is_file():
-        raise UsageError(f"{option(f'--keymap {spec}', f'keymap={spec!r}')}: neither a preset ({', '.join(PRESETS)}) nor a JSON file")
+        raise UsageError(f"{option(f'--keymap {spec}', f'keymap={spec!r}')}: neither a preset ({', '.join(PRESETS)}) nor a JSON "
+                         f"file")
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -78,7 +78,8 @@ class Split:
         inverted = [invert(self.pattern, part) for part in self.parts]
         fused = {r.text for _, r in inverted}
         if len(fused) != 1:
-            raise UsageError(f"split rule {self.pattern.regex!r} cannot be inverted: its parts use the groups in different orders")
+            raise UsageError(f"split rule {self.pattern.regex!r} cannot be inverted: its parts use the groups in different "
+                             f"orders")
         return Merge(tuple(p for p, _ in inverted), inverted[0][1], self.ratio, self.dim, self.groups)
 
 

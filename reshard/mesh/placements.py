@@ -166,9 +166,11 @@ def _check_mesh(plan: PlacementPlan, mesh: MeshSpec) -> None:
         )
     for pattern, placements in plan.rules:
         if len(placements) != mesh.ndim:
-            raise UsageError(f"placement plan {plan.name}: {pattern!r} has {len(placements)} placements, the mesh {mesh} has {mesh.ndim} dimensions")
+            raise UsageError(f"placement plan {plan.name}: {pattern!r} has {len(placements)} placements, the mesh {mesh} has "
+                             f"{mesh.ndim} dimensions")
     if plan.default is not None and len(plan.default) != mesh.ndim:
-        raise UsageError(f"placement plan {plan.name}: default has {len(plan.default)} placements, the mesh {mesh} has {mesh.ndim} dimensions")
+        raise UsageError(f"placement plan {plan.name}: default has {len(plan.default)} placements, the mesh {mesh} has "
+                         f"{mesh.ndim} dimensions")
 
 
 def assign_placements(

@@ -109,7 +109,8 @@ class Inert(metaclass=Sealed):
         return hash((type(self), self.how, len(self.args)))
 
     def __repr__(self) -> str:
-        text = f"{inert_name(type(self))}(inert: {self.how} {self.args!r}" + (f", state={self.state!r}" if self.state is not None else "")
+        state = f", state={self.state!r}" if self.state is not None else ""
+        text = f"{inert_name(type(self))}(inert: {self.how} {self.args!r}" + state
         return (text if len(text) < 200 else text[:196] + " ...") + ")"
 
 

@@ -112,7 +112,8 @@ def test_compression_without_numcodecs_says_what_to_install(monkeypatch: pytest.
 def test_compressed_chunks_fit_the_memory_budget(tmp_path: Path) -> None:
     """A compressed chunk is compressed and decoded whole: written under --max-memory 1MiB,
     every chunk (shards of --to-mesh too) holds at most 128 KiB, an eighth (so a reader with
-    the same budget decodes on two workers), and zarr-python reads the store; a foreign store whose compressed chunks pass a quarter of the budget (each is held
+    the same budget decodes on two workers), and zarr-python reads the store; a foreign store whose compressed chunks pass a
+    quarter of the budget (each is held
     compressed, decoded and copied while slabs are cut from it) is refused with the budget it
     needs, and that budget is enough."""
     w = torch.arange(600 * 1000, dtype=torch.float32).reshape(600, 1000)  # 2.4 MB

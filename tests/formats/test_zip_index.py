@@ -53,7 +53,8 @@ def test_broken_archives(tmp_path: Path) -> None:
     path = tmp_path / "x.pt"
     torch.save({"a": torch.arange(100.0)}, path)
     data = path.read_bytes()
-    for broken in (data[:-30], data[: len(data) // 2], b"PK\x03\x04" + b"\0" * 100, data.replace(b"PK\x01\x02", b"XX\x01\x02", 1)):
+    for broken in (data[:-30], data[: len(data) // 2], b"PK\x03\x04" + b"\0" * 100, data.replace(b"PK\x01\x02", b"XX\x01\x02",
+                                                                                                 1)):
         path.write_bytes(broken)
         with pytest.raises(CorruptCheckpointError):
             index = _index(path)
