@@ -16,7 +16,6 @@ read our output; ``.metadata`` is written last, which is what makes a DCP folder
 from __future__ import annotations
 
 import re
-from array import array
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from reshard.boxes import Box
+from reshard.columns import unique_rows
 from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, Target, TensorEntry
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
@@ -32,7 +32,7 @@ from reshard.formats.dcp.metadata import ChunkTable, DCPIndex, StorageRecord
 from reshard.formats.dcp.ranks import CheckedCopies, rank_metadata_files, same_bytes
 from reshard.formats.dcp.records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record
 from reshard.formats.dcp.zstd import ZstdChunk, load_zstd_object
-from reshard.pieces import OutputFile, Piece
+from reshard.pieces import OutputFile, PieceTable, SegmentTable
 from reshard.formats.torch.zip import load_object_blob, read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
 from reshard.storage import will_read
@@ -244,80 +244,97 @@ class _Computed(Mapping):
 
 class DCPWriter:
     """One ``__{rank}_0.distcp`` per target rank holding the boxes the target assigns to that
-    rank; objects in rank 0's file."""
+    rank; objects in rank 0's file.
+
+    Laid out in columns (``PieceTable``, ``SegmentTable``): a mesh layout of a fine-grained
+    MoE has hundreds of thousands of chunks, each its own torch.save archive, and the archives
+    of one dtype and shape differ only in their payload, so each kind is built once and every
+    chunk's place in its file is an array operation."""
 
     output_is_dir = True
     finish_rewrites_data = False
 
     def __init__(self) -> None:
-        # Where each chunk's record lies, in columns: (file, offset, length) per box, the boxes of
-        # a tensor in a row from ``_first[name]`` (a dict of tuples per box was ~140 MiB at 400k boxes).
-        self._first: dict[str, int] = {}
-        self._file, self._start, self._length = array("l"), array("q"), array("q")
+        # Where each chunk's record lies, per row of the layout's PieceTable: (file, offset, length).
+        self._table: PieceTable | None = None
+        self._file = self._start = self._length = np.zeros(0, dtype=np.int64)
         self._relpaths: list[str] = []
         self._objects: dict[str, tuple[str, int, int]] = {}
-        self._blobs: dict[tuple[DType, tuple[int, ...]], tuple[list, int]] = {}
 
     def layout(self, target: Target) -> list[OutputFile]:
-        files = [OutputFile(f"__{r}_0.distcp") for r in range(target.world_size)]
-        sizes = [0] * target.world_size
-        self._first.clear()
-        self._objects.clear()
-        self._file, self._start, self._length = array("l"), array("q"), array("q")
-        self._relpaths = [f.relpath for f in files]
+        table = self._table = PieceTable.of_target(target)
+        self._relpaths = [f"__{r}_0.distcp" for r in range(target.world_size)]
+        self._objects = {}
+        literals, head, tail = self._archives(table)
+        lengths = np.array([len(b) for b in literals], dtype=np.int64)
+        nbytes = table.nbytes
+        blob = lengths[head] + nbytes + lengths[tail]  # each row's archive
+        self._file, self._start, self._length = table.rank, np.zeros(len(table), dtype=np.int64), blob
+        files = []
+        for rank, relpath in enumerate(self._relpaths):
+            rows = np.flatnonzero(table.rank == rank)
+            self._start[rows] = np.cumsum(blob[rows]) - blob[rows]
+            kind = np.stack([head[rows], np.full(len(rows), -1), tail[rows]], axis=1).reshape(-1)
+            row = np.stack([np.full(len(rows), -1), rows, np.full(len(rows), -1)], axis=1).reshape(-1)
+            if rank == 0 and target.objects:
+                at = int(blob[rows].sum())
+                extra = []
+                for name, value in target.objects.items():
+                    # What torch.save writes, without torch.save's imports: an opted-in class (an inert
+                    # stand-in) is written back under its own name (reshard.safe_pickle.unpickler.allow_classes).
+                    data = torch_save_bytes(value)
+                    self._objects[name] = (relpath, at, len(data))
+                    at += len(data)
+                    extra.append(len(literals))
+                    literals.append(data)
+                kind = np.concatenate([kind, extra])
+                row = np.concatenate([row, np.full(len(extra), -1)])
+            # A rank that stores nothing (its shards are replicas kept by others) gets no file.
+            if len(kind) or rank == 0:
+                files.append(OutputFile(relpath, SegmentTable(table, literals, kind.astype(np.int64), row.astype(np.int64))))
+        return files
 
-        def add(rank: int, segments: list) -> tuple[int, int]:
-            length = sum(s.nbytes if isinstance(s, Piece) else len(s) for s in segments)
-            start = sizes[rank]
-            files[rank].segments.extend(segments)
-            sizes[rank] += length
-            return start, length
-
-        for t in target.tensors.values():
-            self._first[t.name] = len(self._start)
-            for box, rank in zip(t.boxes, t.ranks):
-                start, length = add(rank, self._blob(Piece(t.name, box, t.dtype)))
-                self._file.append(rank)
-                self._start.append(start)
-                self._length.append(length)
-        for name, value in target.objects.items():
-            # What torch.save writes, without torch.save's imports: an opted-in class (an inert
-            # stand-in) is written back under its own name (reshard.safe_pickle.unpickler.allow_classes).
-            self._objects[name] = (files[0].relpath, *add(0, [torch_save_bytes(value)]))
-        # A rank that stores nothing (its shards are replicas kept by others) gets no file.
-        return [f for i, f in enumerate(files) if f.segments or i == 0]
-
-    def _blob(self, piece: Piece) -> list:
-        """The torch.save archive around one chunk. Its header bytes depend only on the
-        chunk's dtype and shape (offsets inside a blob are blob-relative), and a mesh layout
-        has thousands of chunks of a few shapes: build each kind once, then swap the piece in."""
-        key = (piece.dtype, piece.box.sizes)
-        if key not in self._blobs:
+    @staticmethod
+    def _archives(table: PieceTable) -> tuple[list[bytes], np.ndarray, np.ndarray]:
+        """(literals, head, tail): the torch.save archive around each row's box is
+        ``literals[head[row]]``, the box's bytes, ``literals[tail[row]]``. Its bytes depend
+        only on the box's dtype and shape (offsets inside an archive are archive-relative):
+        one archive per kind, the row's piece in it."""
+        codes = {d: i for i, d in enumerate(dict.fromkeys(table.dtypes))}
+        dtype_code = np.array([codes[d] for d in table.dtypes], dtype=np.int64)[table.tensor]
+        # rows of one kind: same dtype, same sizes over the tensor's own dims (padding is 1s)
+        key = np.column_stack([dtype_code, table.ndim[table.tensor], table.sizes])
+        first, kind_of = unique_rows(key)
+        literals: list[bytes] = []
+        head_of, tail_of = [], []
+        for row in first.tolist():
+            piece = table.piece(row)
             segments = torch_save_segments(PieceRef("0", piece.dtype, piece.box.sizes), {"0": piece})
-            self._blobs[key] = (segments, next(i for i, s in enumerate(segments) if s is piece))
-            return segments
-        segments, at = self._blobs[key]
-        return [*segments[:at], piece, *segments[at + 1:]]
+            at = next(i for i, s in enumerate(segments) if s is piece)
+            head_of.append(len(literals))
+            literals.append(b"".join(segments[:at]))  # type: ignore[arg-type]
+            tail_of.append(len(literals))
+            literals.append(b"".join(segments[at + 1:]))  # type: ignore[arg-type]
+        kind_of = kind_of.reshape(-1)
+        return literals, np.array(head_of, dtype=np.int64)[kind_of], np.array(tail_of, dtype=np.int64)[kind_of]
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         # Deferred: only writing needs it, and its dataclasses cost every reading command 7 ms.
-        from reshard.formats.dcp.metadata_write import ChunkRecord, TensorRecord, metadata_bytes
+        from reshard.formats.dcp.metadata_write import TensorTable, metadata_bytes
 
-        def tensor_record(name: str) -> TensorRecord:
-            t = target.tensors[name]
-            i = self._first[name]
-            chunks = tuple(ChunkRecord(b.offsets, b.sizes, self._relpaths[self._file[i + j]], self._start[i + j],
-                                       self._length[i + j]) for j, b in enumerate(t.boxes))
-            return TensorRecord(t.dtype, t.shape, chunks)
-
+        table = self._table
+        if table is None or list(target.tensors) != table.names:
+            raise ValueError("DCPWriter.finish: the target is not the one laid out")
+        count = np.bincount(table.tensor, minlength=len(table.names))
+        tensors = TensorTable(table.names, table.dtypes, [t.shape for t in target.tensors.values()], table.first, count,
+                              table.pattern, table.offsets, table.sizes, self._file, self._start, self._length,
+                              self._relpaths)
         objects = {name: self._objects[name] for name in target.objects}
         # Paths as torch's dcp.save spells them (dict keys as strings), so torch's readers
         # rebuild what they would from their own save; the int keys and tuples it cannot
         # express ride beside them, for reshard's reader.
         containers = dict(target.attrs.get(CONTAINERS_ATTR) or {})
         names = [*target.tensors, *objects]
-        # Records made as the pickle is written, not all held at once (100k tensors on many ranks).
-        tensors = _Computed(list(target.tensors), tensor_record)
         planner_data = _Computed(names, lambda name: dcp_path(target.nested_path(name), containers))
         (staging / ".metadata").write_bytes(metadata_bytes(tensors, objects, planner_data, containers))
 

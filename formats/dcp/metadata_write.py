@@ -21,12 +21,16 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from reshard.columns import unique_rows
 from reshard.dtypes import DType
+from reshard.formats.dcp.opcode_rows import Slot, int_slot, join_rows, table_slot
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ChunkRecord", "TensorRecord", "metadata_bytes"]
+__all__ = ["TensorTable", "metadata_bytes"]
 
 _META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -114,19 +118,25 @@ _TORCH_MODULE["_StorageInfo"] = _FS
 
 
 @dataclass(frozen=True)
-class ChunkRecord:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    relpath: str
-    offset: int
-    length: int
+class TensorTable:
+    """Every tensor's entry as columns. Tensor ``t`` is ``names[t]`` of ``dtypes[t]`` and
+    ``shapes[t]``; its chunks, in storage order, are rows ``first[t]`` to ``first[t] +
+    count[t]``. Row ``i`` is the box ``offsets[i]`` / ``sizes[i]`` (``[rows, width]`` arrays,
+    a tensor's own dims first), stored in ``relpaths[file[i]]`` from byte ``start[i]``,
+    ``length[i]`` bytes. ``pattern[t]``: tensors with one pattern have the same boxes."""
 
-
-@dataclass(frozen=True)
-class TensorRecord:
-    dtype: DType
-    shape: tuple[int, ...]
-    chunks: tuple[ChunkRecord, ...]
+    names: list[str]
+    dtypes: list[DType]
+    shapes: list[tuple[int, ...]]
+    first: np.ndarray
+    count: np.ndarray
+    pattern: np.ndarray
+    offsets: np.ndarray
+    sizes: np.ndarray
+    file: np.ndarray
+    start: np.ndarray
+    length: np.ndarray
+    relpaths: list[str]
 
 
 def _rename_globals(data: bytes) -> bytes:
@@ -140,7 +150,7 @@ def _rename_globals(data: bytes) -> bytes:
     return data
 
 
-def metadata_bytes(tensors: Mapping[str, TensorRecord], objects: dict[str, tuple[str, int, int]],
+def metadata_bytes(tensors: TensorTable, objects: dict[str, tuple[str, int, int]],
                    planner_data: Mapping[str, tuple], containers: dict[tuple, str] | None = None) -> bytes:
     """The pickle of a DCP ``Metadata`` for these tensors (chunks in storage order; a mapping
     whose records may be made on demand) and byte objects (name -> (relpath, offset, length));
@@ -150,7 +160,7 @@ def metadata_bytes(tensors: Mapping[str, TensorRecord], objects: dict[str, tuple
     tensor or chunk) are written by ``_Opcodes``, entry by entry, as the pickler would write
     them: nothing is held per chunk, and names and classes are memoized as the pickler does,
     so the file is as compact as its own pickle."""
-    for name in (*tensors, *objects):
+    for name in (*tensors.names, *objects):
         if __name__ in name:  # it would read as one of our class references: refuse rather than guess
             raise ValueError(f"cannot write DCP metadata: the name {name!r} contains {__name__!r}")
     ops = _Opcodes()
@@ -188,6 +198,7 @@ def _unmemoized(obj: Any) -> bytes:
 
 
 _SETITEMS_BATCH = 1000  # items per SETITEMS / APPENDS, as the pickler batches them
+_ROWS_AT_ONCE = 1 << 16  # storage entries assembled at once (``_StorageRows``)
 _META_CLASS = {name: f"{module}\n{name}" for name, module in _TORCH_MODULE.items()}  # as GLOBAL names them
 
 
@@ -199,6 +210,20 @@ class _Opcodes:
 
     def __init__(self) -> None:
         self._memo: dict[Any, int] = {}
+        self._stable: dict[Any, bytes] = {}
+        self._text_refs: dict[str, bytes] = {}
+
+    def _cached(self, key: Any, make: Callable[[], bytes]) -> bytes:
+        """``make()``, kept under ``key`` once it is stable: made without adding to the memo,
+        its bytes only refer to memo slots that never change, so the same inputs give the
+        same bytes from then on (a model's layers repeat a handful of chunk layouts)."""
+        out = self._stable.get(key)
+        if out is None:
+            before = len(self._memo)
+            out = make()
+            if len(self._memo) == before:
+                self._stable[key] = out
+        return out
 
     def _memoized(self, key: Any, first: Callable[[], bytes]) -> bytes:
         index = self._memo.get(key)
@@ -208,10 +233,18 @@ class _Opcodes:
         return first() + (b"q" + bytes([index]) if index < 256 else b"r" + struct.pack("<I", index))
 
     def text(self, value: str, memo: bool = True) -> bytes:
+        ref = self._text_refs.get(value) if memo else None
+        if ref is not None:  # a name or field met before: its memo reference, made once
+            return ref
+
         def encode() -> bytes:
             data = value.encode("utf-8", "surrogatepass")
             return b"X" + struct.pack("<I", len(data)) + data
-        return self._memoized(("str", value), encode) if memo else encode()
+        if not memo:
+            return encode()
+        out = self._memoized(("str", value), encode)
+        self._text_refs[value] = self._memoized(("str", value), encode)
+        return out
 
     def _global(self, qualified: str) -> bytes:
         return self._memoized(("global", qualified), lambda: b"c" + qualified.encode() + b"\n")
@@ -236,6 +269,8 @@ class _Opcodes:
 
     def _value(self, value: Any) -> bytes:
         """A planner path element or tuple: str, int, None or a tuple of them."""
+        if type(value) is tuple and all(type(v) is str for v in value):  # the usual path: names only
+            return self._tuple([self.text(v) for v in value])
         if isinstance(value, str):
             return self.text(value)
         if value is None:
@@ -287,35 +322,135 @@ class _Opcodes:
         if batch:
             yield b"(" + b"".join(batch) + close
 
-    def state_dict_metadata(self, tensors: Mapping[str, TensorRecord], objects: Mapping[str, Any]) -> Iterator[bytes]:
-        def chunk(c: ChunkRecord) -> bytes:
-            return self._object("ChunkStorageMetadata", [("offsets", lambda: self._size(c.offsets)),
-                                                         ("sizes", lambda: self._size(c.sizes))])
+    def state_dict_metadata(self, tensors: TensorTable, objects: Mapping[str, Any]) -> Iterator[bytes]:
+        def chunk(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bytes:
+            return self._object("ChunkStorageMetadata", [("offsets", lambda: self._size(offsets)),
+                                                         ("sizes", lambda: self._size(sizes))])
+
+        def body(t: int) -> bytes:
+            a, b, n = int(tensors.first[t]), int(tensors.first[t] + tensors.count[t]), len(tensors.shapes[t])
+            boxes = zip(tensors.offsets[a:b, :n].tolist(), tensors.sizes[a:b, :n].tolist())
+            return self._object("TensorStorageMetadata", [
+                ("properties", lambda: self._properties(tensors.dtypes[t])), ("size", lambda: self._size(tensors.shapes[t])),
+                ("chunks", lambda: b"".join(self._batched((chunk(tuple(o), tuple(z)) for o, z in boxes), b"]", b"e")))])
 
         def entries() -> Iterator[bytes]:
-            for name, t in tensors.items():
-                yield self.text(name) + self._object("TensorStorageMetadata", [
-                    ("properties", lambda: self._properties(t.dtype)), ("size", lambda: self._size(t.shape)),
-                    ("chunks", lambda: b"".join(self._batched((chunk(c) for c in t.chunks), b"]", b"e")))])
+            for t, (name, dtype, shape, pattern) in enumerate(zip(tensors.names, tensors.dtypes, tensors.shapes,
+                                                                 tensors.pattern.tolist())):
+                yield self.text(name) + self._cached(("tensor", dtype, shape, pattern), lambda: body(t))
             for name in objects:
                 yield self.text(name) + self._object("BytesStorageMetadata", None)
         return self._batched(entries(), b"}", b"u")
 
-    def storage_data(self, tensors: Mapping[str, TensorRecord],
+    def storage_data(self, tensors: TensorTable,
                      objects: Mapping[str, tuple[str, int, int]]) -> Iterator[bytes]:
-        def entry(name: str, offset: Callable[[], bytes], index: Callable[[], bytes], where: tuple[str, int, int]) -> bytes:
-            key = self._object("MetadataIndex", [("fqn", lambda: self.text(name)), ("offset", offset), ("index", index)])
-            return key + self._object("_StorageInfo", [("relative_path", lambda: self.text(where[0])),
-                                                       ("offset", lambda: self._int(where[1])),
-                                                       ("length", lambda: self._int(where[2]))])
+        # An entry is MetadataIndex(fqn, offset, index) -> _StorageInfo(relative_path, offset,
+        # length), written in parts: all but the name, the chunk and the record's two numbers
+        # are the same bytes for every chunk once their memo slots exist.
+        def key_head() -> bytes:  # up to the fqn's value
+            return self._global(_META_CLASS["MetadataIndex"]) + b")\x81}(" + self.text("fqn")
 
-        def entries() -> Iterator[bytes]:
-            for name, t in tensors.items():
-                for i, c in enumerate(t.chunks):
-                    yield entry(name, lambda: self._size(c.offsets), lambda: self._int(i), (c.relpath, c.offset, c.length))
-            for name, where in objects.items():
-                yield entry(name, lambda: b"N", lambda: b"N", where)
-        return self._batched(entries(), b"}", b"u")
+        def key_tail(chunk: tuple[tuple[int, ...], int] | None) -> bytes:  # the rest of the key
+            offset, index = (b"N", b"N") if chunk is None else (self._size(chunk[0]), self._int(chunk[1]))
+            return self.text("offset") + offset + self.text("index") + index + b"ub"
+
+        def info_head(relpath: str) -> bytes:  # the value, up to its offset's number
+            return (self._global(_META_CLASS["_StorageInfo"]) + b")\x81}(" + self.text("relative_path")
+                    + self.text(relpath) + self.text("offset"))
+
+        def entry(name: str, chunk: tuple[tuple[int, ...], int] | None, where: tuple[str, int, int]) -> bytes:
+            return b"".join((self._cached("key_head", key_head), self.text(name),
+                             self._cached(("chunk", chunk), lambda: key_tail(chunk)),
+                             self._cached(("info", where[0]), lambda: info_head(where[0])), self._int(where[1]),
+                             self._cached("length", lambda: self.text("length")), self._int(where[2]), b"ub"))
+
+        yield b"}"
+        rows = _StorageRows(tensors)
+        done = 0
+        for a in range(0, rows.count, _ROWS_AT_ONCE):
+            b = min(a + _ROWS_AT_ONCE, rows.count)
+            yield rows.opcodes(self, a, b, done, entry, key_head, key_tail, info_head)
+            done = b
+        for name, where in objects.items():
+            yield (b"(" if done % _SETITEMS_BATCH == 0 else b"") + entry(name, None, where)
+            done += 1
+            if done % _SETITEMS_BATCH == 0:
+                yield b"u"
+        if done % _SETITEMS_BATCH:
+            yield b"u"
 
     def planner_data(self, planner_data: Mapping[str, tuple]) -> Iterator[bytes]:
         return self._batched((self.text(k) + self._value(v) for k, v in planner_data.items()), b"}", b"u")
+
+
+class _StorageRows:
+    """Every tensor chunk's storage entry as columns, in the order they are written: which
+    tensor, which chunk of it (offsets and index), and its record. Entries are assembled a
+    block at a time from byte slots (``opcode_rows``); an entry that is the first to need a
+    memo slot (a new chunk layout, a new file, the first entry) is written by ``entry`` as the
+    pickler would, in order, so every slot is set before a later entry refers to it."""
+
+    def __init__(self, tensors: TensorTable) -> None:
+        t = tensors
+        self.count = int(t.count.sum())
+        self.names, self.relpaths = t.names, t.relpaths
+        self.tensor = np.repeat(np.arange(len(t.names)), t.count)
+        rows = np.concatenate([np.arange(a, a + n) for a, n in zip(t.first.tolist(), t.count.tolist())]) \
+            if not _consecutive(t) else np.arange(self.count)
+        self.index = np.arange(self.count) - np.repeat(np.cumsum(t.count) - t.count, t.count)
+        self.file, self.start, self.length = t.file[rows], t.start[rows], t.length[rows]
+        ndim = np.array([len(s) for s in t.shapes], dtype=np.int64)[self.tensor]
+        width = t.offsets.shape[1]
+        offsets = np.where(np.arange(width) < ndim[:, None], t.offsets[rows], 0)
+        key = np.column_stack([offsets, ndim, self.index])
+        first_chunk, self.chunk = unique_rows(key)
+        self.layouts = [(tuple(key[r, :int(key[r, width])].tolist()), int(self.index[r])) for r in first_chunk.tolist()]
+        _, first_file = np.unique(self.file, return_index=True)
+        self.first_use = np.zeros(self.count, dtype=bool)
+        self.first_use[np.r_[first_chunk, first_file, [0] if self.count else []].astype(np.int64)] = True
+        self._name_refs: list[bytes] | None = None
+
+    def opcodes(self, ops: _Opcodes, a: int, b: int, done: int, entry: Callable, key_head: Callable,
+                key_tail: Callable, info_head: Callable) -> bytes:
+        """The opcodes of entries ``[a, b)``, ``done`` entries having been written before them
+        (SETITEMS batches of ``_SETITEMS_BATCH``)."""
+        rows = np.arange(a, b)
+        first = rows[self.first_use[a:b]]
+        slow = [entry(self.names[self.tensor[r]], self.layouts[self.chunk[r]],
+                      (self.relpaths[self.file[r]], int(self.start[r]), int(self.length[r]))) for r in first.tolist()]
+        # Every memo slot these entries use is set now: each part's bytes are the same for all.
+        if self._name_refs is None:
+            self._name_refs = [ops.text(name) for name in self.names]
+        names = self._name_refs
+        heads = [ops._cached("key_head", key_head)]
+        tails = [ops._cached(("chunk", c), lambda c=c: key_tail(c)) for c in self.layouts]
+        infos = [ops._cached(("info", r), lambda r=r: info_head(r)) for r in self.relpaths]
+        closers = [ops._cached("length", lambda: ops.text("length")), b"ub", b"(", b"u"]
+        fast = ~self.first_use[a:b]
+        none = np.full(b - a, -1, dtype=np.int64)
+        position = done + rows - a  # among all entries
+        opens = np.where(position % _SETITEMS_BATCH == 0, 2, -1)
+        closes = np.where(position % _SETITEMS_BATCH == _SETITEMS_BATCH - 1, 3, -1)
+        slow_pick = none.copy()
+        slow_pick[self.first_use[a:b]] = np.arange(len(slow))
+        start_slot, length_slot = int_slot(self.start[a:b]), int_slot(self.length[a:b])
+        start_slot = Slot(start_slot.pool, start_slot.at, np.where(fast, start_slot.length, 0))
+        length_slot = Slot(length_slot.pool, length_slot.at, np.where(fast, length_slot.length, 0))
+        return join_rows([
+            table_slot(closers, opens),
+            table_slot(slow, slow_pick),
+            table_slot(heads, np.where(fast, 0, -1)),
+            table_slot(names, np.where(fast, self.tensor[a:b], -1)),
+            table_slot(tails, np.where(fast, self.chunk[a:b], -1)),
+            table_slot(infos, np.where(fast, self.file[a:b], -1)),
+            start_slot,
+            table_slot(closers, np.where(fast, 0, -1)),
+            length_slot,
+            table_slot(closers, np.where(fast, 1, -1)),
+            table_slot(closers, closes),
+        ])
+
+
+def _consecutive(t: TensorTable) -> bool:
+    """Whether the tensors' rows follow one another from row 0 (the layout's own order)."""
+    return bool(len(t.first) == 0 or (t.first[0] == 0 and (t.first[1:] == (t.first + t.count)[:-1]).all()))
