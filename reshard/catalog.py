@@ -252,6 +252,9 @@ class Catalog:
     paths: dict[str, NestedPath] = field(default_factory=dict)
     attrs: dict[str, Any] = field(default_factory=dict)
     notices: list[str] = field(default_factory=list)
+    # What ``conventions.detect_layout`` found, carried by ``dataclasses.replace`` to the next
+    # step's catalog (a step that changes the tables or the layout attributes changes the key).
+    detected_layouts: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def total_bytes(self) -> int:

@@ -437,12 +437,13 @@ def detect_layout(catalog: Catalog, override: str | None = None, *, refuse_ambig
     # Every step of a conversion asks; the answer holds while the catalog's tables and layout
     # attributes are the ones it was computed from (steps make new catalogs, never edit one).
     key = (override, catalog.attrs.get("layout"), bool(catalog.attrs.get("layout_given")), refuse_ambiguous,
-           id(catalog.tensors), len(catalog.tensors), id(catalog.objects), len(catalog.objects))
-    cache = catalog.__dict__.setdefault("_layouts", {})
+           id(catalog.tensors), len(catalog.tensors), id(catalog.objects), len(catalog.objects), id(catalog.paths))
+    cache = catalog.detected_layouts
     if key not in cache:
         cache.clear()
-        cache[key] = _detect(catalog, override, refuse_ambiguous)
-    return cache[key]
+        # the tables are held with the answer, so no other table can take their ids meanwhile
+        cache[key] = (_detect(catalog, override, refuse_ambiguous), (catalog.tensors, catalog.objects, catalog.paths))
+    return cache[key][0]
 
 
 @without_gc

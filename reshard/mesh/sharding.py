@@ -187,8 +187,30 @@ def mesh_shards(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh:
                 load: list[int]) -> tuple[list[Box], list[Box], list[int]]:
     """(every rank's local box, the distinct boxes, the rank that stores each): ``local_boxes``
     and ``distinct_boxes`` in one, from the cache."""
-    local, holders = _rank_boxes(tuple(shape), tuple(placements), mesh.shape)
-    return list(local), *_assign_owners(holders, itemsize, load)
+    shape, placements = tuple(shape), tuple(placements)
+    local, holders = _rank_boxes(shape, placements, mesh.shape)
+    fixed = _fixed_owners(shape, placements, mesh.shape, itemsize)
+    if fixed is None:
+        return list(local), *_assign_owners(holders, itemsize, load)
+    boxes, ranks, added = fixed
+    for rank, nbytes in added:
+        load[rank] += nbytes
+    return list(local), list(boxes), list(ranks)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fixed_owners(shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...], itemsize: int
+                  ) -> tuple[tuple[Box, ...], tuple[int, ...], tuple[tuple[int, int], ...]] | None:
+    """``_assign_owners`` where no box is held by several ranks: then who stores each box does
+    not depend on the load so far, and a model's layers (a handful of shapes) are placed once.
+    (boxes, their ranks, (rank, bytes added to its load) pairs); None when some box has replicas."""
+    _, holders = _rank_boxes(shape, placements, mesh_shape)
+    if any(len(ranks) > 1 for _, ranks in holders):
+        return None
+    added: dict[int, int] = {}
+    for box, (rank,) in holders:
+        added[rank] = added.get(rank, 0) + box.numel * itemsize
+    return tuple(b for b, _ in holders), tuple(r for _, (r,) in holders), tuple(added.items())
 
 
 def distinct_boxes(boxes: list[Box], itemsize: int, load: list[int]) -> tuple[list[Box], list[int]]:
