@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
     from reshard.mesh.sharding import MeshSpec, Placement
 
-__all__ = ["ChunkData", "ArrayChunkData", "Chunk", "TensorEntry", "IndexedTensorEntry", "Catalog", "NestedPath", "ObjectTable",
-           "object_loader", "pick_objects", "TargetTensor", "Target"]
+__all__ = ["ChunkData", "ArrayChunkData", "Chunk", "ChunkLocator", "StoredChunks", "TensorEntry", "IndexedTensorEntry",
+           "Catalog", "NestedPath", "ObjectTable", "object_loader", "pick_objects", "TargetTensor", "Target"]
 
 # Where a flat name sits in the nested state dict: ("optim", "state", "0.weight", "exp_avg").
 NestedPath = tuple[str | int, ...]
@@ -59,6 +59,27 @@ class ArrayChunkData(ChunkData, Protocol):
 class Chunk:
     box: Box  # where the chunk sits in the global tensor
     data: ChunkData
+
+
+@dataclass(frozen=True)
+class StoredChunks:
+    """Where chunks lie as plain bytes, as columns: chunk ``i``'s elements are C-order bytes of
+    its tensor's dtype from byte ``start[i]`` of ``paths[file[i]]``; ``file[i] == -1`` where
+    they are not (compressed, strided, of another dtype, not located)."""
+
+    paths: list[Path]
+    file: np.ndarray
+    start: np.ndarray
+
+
+class ChunkLocator(Protocol):
+    """A reader's way of locating many tensors' chunks at once (``IndexedTensorEntry.locator``):
+    one pass over a checkpoint's records, where locating each chunk on its own costs a read
+    per chunk."""
+
+    def locate(self, records: list[Any]) -> StoredChunks:
+        """For each entry's ``records`` handle, in order, every chunk in ``columns`` order."""
+        ...
 
 
 @dataclass
@@ -107,9 +128,11 @@ class IndexedTensorEntry(TensorEntry):
 
     def __init__(self, name: str, shape: tuple[int, ...], dtype: DType, offsets: np.ndarray, sizes: np.ndarray,
                  make: Callable[[int, Box], ChunkData], paths: Callable[[], set[Path]] | None = None, *,
-                 keep: bool = True) -> None:
+                 keep: bool = True, locator: ChunkLocator | None = None, records: Any = None) -> None:
         self.name, self.shape, self.dtype = name, shape, dtypes.of(dtype)
         self._offsets, self._sizes, self._make, self._paths = offsets, sizes, make, paths
+        # ``locator.locate([records, ...])`` locates this entry's chunks with other entries'.
+        self.locator, self.records = locator, records
         self._built: list[Chunk | None] | None = None
         self._complete = False
         # False: chunks are made afresh each time they are asked for and never held (a reader
@@ -157,7 +180,7 @@ class IndexedTensorEntry(TensorEntry):
 
     def renamed(self, name: str) -> TensorEntry:
         other = IndexedTensorEntry(name, self.shape, self.dtype, self._offsets, self._sizes, self._make, self._paths,
-                                   keep=self._keep)
+                                   keep=self._keep, locator=self.locator, records=self.records)
         other._built, other._complete = self._built, self._complete
         return other
 

@@ -64,4 +64,9 @@ def copy_runs(out: np.ndarray, dst: np.ndarray, src: np.ndarray, src_at: np.ndar
                 out[d:d + n] = src[s:s + n]
             continue
         target = np.lib.stride_tricks.sliding_window_view(out, n, writeable=True)
+        sources, which_src = np.unique(src_at[sel], return_inverse=True)
+        if len(sources) <= _FEW:  # the same bytes to many places (a header repeated per chunk): no gathered copy
+            for k, at in enumerate(sources.tolist()):
+                target[dst[sel[which_src.reshape(-1) == k]]] = src[at:at + n]
+            continue
         target[dst[sel]] = np.lib.stride_tricks.sliding_window_view(src, n)[src_at[sel]]

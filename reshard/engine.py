@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from reshard import dtypes
+from reshard import dtypes, gather
 from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.catalog import ArrayChunkData, ChunkData
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UsageError, option
 from reshard.pieces import OutputFile, Piece
 from reshard.manifest import FileDigest, file_digest
+from reshard.byte_runs import Gathered
 from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool
 from reshard.gc_pause import without_gc
@@ -298,15 +299,17 @@ def _check_free_space(root: Path, need: int) -> None:
                                     f"{format_size(free)} is free", str(root))
 
 
-def _create(path: Path, f: OutputFile, size: int) -> None:
-    """The file at its full ``size``, literal bytes in place; pieces are written into it later."""
+def _create(path: Path, f: OutputFile, size: int, literals: bool = True) -> None:
+    """The file at its full ``size``, literal bytes in place (unless its windows write them:
+    ``literals=False``); pieces are written into it later."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         # Sized, not reserved: pwrite into posix_fallocate'd (unwritten) extents measured 6x
         # slower than into a sparse file on ext4. Free space is checked once, before any file.
         os.ftruncate(fd, size)
-        _write_literals(fd, f)
+        if literals:
+            _write_literals(fd, f)
     finally:
         os.close(fd)
 
@@ -361,6 +364,12 @@ def _assemble(box: Box, dtype: DType, sources: list[Source], fds: FdPool, scratc
 
 
 _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs are cut from
+# A worker's share of the budget for a window of gathered runs (``reshard.gather``): the
+# window, what is read for it (twice the window: tiny pieces lie a little apart in their
+# files) and the copy of one length class on its way into place (at most the window). Past a
+# few MiB a larger write gains nothing.
+_WINDOW_SHARE = 4
+_WINDOW_MAX = 8 << 20
 _JOBS_IN_FLIGHT = 4  # per worker: enough queued that no worker waits for the next job
 
 
@@ -368,6 +377,21 @@ _JOBS_IN_FLIGHT = 4  # per worker: enough queued that no worker waits for the ne
 # one, a worker mostly waits, so more of them keep more requests in flight (the budget is
 # shared out among them as for local reads).
 REMOTE_WORKERS = 16
+
+
+def _in_order(windows: list[gather.Window], jobs: list[_RowGroup | tuple[str, int, Piece]],
+              order: dict[str, int] | None) -> list[gather.Window | _RowGroup | tuple[str, int, Piece]]:
+    """Windows before pieces (they are the large jobs); with ``order`` (hashing as files
+    finish), file by file, windows first in each."""
+    out: list[gather.Window | _RowGroup | tuple[str, int, Piece]] = [*windows, *jobs]
+    if order is None:
+        return out
+
+    def file_of(job: gather.Window | _RowGroup | tuple[str, int, Piece]) -> int:
+        rel = job.relpath if isinstance(job, gather.Window) else job.items[0][0] if isinstance(job, _RowGroup) else job[0]
+        return order[rel]
+
+    return sorted(out, key=lambda job: (file_of(job), not isinstance(job, gather.Window)))
 
 
 class Engine:
@@ -545,6 +569,18 @@ class Engine:
                 with outs.use(paths[rel]) as fd:
                     self._start_writeback(fd, off, piece.nbytes)
 
+    def _fill_window(self, window: gather.Window, gathered: Gathered, paths: dict[str, Path], fds: FdPool, outs: FdPool,
+                     stats: EngineStats, bar: Progress, window_bytes: int) -> None:
+        """One window of a gathered file (``reshard.gather``), in this worker's scratch."""
+        if self._stop.is_set():
+            return
+        scratch = self._scratch.take(3 * window_bytes)
+        with outs.use(paths[window.relpath]) as fd:
+            gather.write_window(fd, window, gathered, fds, scratch, 2 * window_bytes)
+            self._start_writeback(fd, int(gathered.files[window.relpath].dst[window.first]), window.nbytes)
+        stats.add(buffered=window.piece_bytes)
+        bar.update(window.piece_bytes)
+
     @without_gc  # a chunk located per piece makes objects by the hundred thousand (reshard/gc_pause.py)
     def run(self, plan: Plan, root: Path, output_is_dir: bool, *, digests: bool = False) -> EngineStats:
         """Write every file of ``plan`` under ``root`` (a directory, or the file itself).
@@ -564,28 +600,34 @@ class Engine:
             sizes = [f.size for f in plan.files]  # a walk over every segment: 100k+ of them at scale, once
             _check_free_space(root, sum(sizes))
             for f, size in zip(plan.files, sizes):
-                _create(paths[f.relpath], f, size)
-            work = [(f.relpath, off, p) for f, off, p in plan.pieces()]
+                _create(paths[f.relpath], f, size, literals=plan.gathered is None or f.relpath not in plan.gathered.files)
+            work = [(f.relpath, off, p) for f, off, p in plan.pieces(gathered=False)]
+            order = {f.relpath: i for i, f in enumerate(plan.files)}
             if digests:
-                order = {f.relpath: i for i, f in enumerate(plan.files)}
                 work.sort(key=lambda w: (order[w[0]], -w[2].nbytes))
             else:  # big pieces first, so the pool does not end on one long tail
                 work.sort(key=lambda w: -w[2].nbytes)
-            left = Counter(rel for rel, _, _ in work)  # pieces still to write, per file
+            window_bytes = max(1 << 16, min(_WINDOW_MAX, self._slab_memory // (workers * _WINDOW_SHARE)))
+            windows = [w for rel, runs in (plan.gathered.files.items() if plan.gathered is not None else ())
+                       for w in gather.windows(rel, runs, window_bytes)]
+            left = Counter(rel for rel, _, _ in work) + Counter(w.relpath for w in windows)  # jobs to do, per file
             lock = threading.Lock()
 
-            def fill(job: _RowGroup | tuple[str, int, Piece]) -> None:
-                if isinstance(job, _RowGroup):
+            def fill(job: gather.Window | _RowGroup | tuple[str, int, Piece]) -> None:
+                if isinstance(job, gather.Window) and plan.gathered is not None:  # windows come from it
+                    self._fill_window(job, plan.gathered, paths, fds, outs, stats, bar, window_bytes)
+                    files = [job.relpath]
+                elif isinstance(job, _RowGroup):
                     self._fill_rows(job, paths, fds, outs, stats, bar)
-                    items = job.items
+                    files = [rel for rel, _, _ in job.items]
                 else:
                     rel, off, piece = job
                     with outs.use(paths[rel]) as fd:
                         self._fill(fd, off, piece, plan.sources[piece], fds, stats, bar)
-                    items = [job]
+                    files = [rel]
                 if hashing is not None:  # digests asked for
                     with lock:
-                        for rel, _, _ in items:
+                        for rel in files:
                             left[rel] -= 1
                             if left[rel] == 0:
                                 hashed[rel] = hashing.submit(file_digest, root / rel)
@@ -598,7 +640,7 @@ class Engine:
                 # 2 KiB each, gigabytes for a checkpoint of 100k tensors on many ranks.
                 pending: deque[Future] = deque()
                 try:
-                    for job in self._jobs(work, plan):
+                    for job in _in_order(windows, self._jobs(work, plan), order if digests else None):
                         if len(pending) >= _JOBS_IN_FLIGHT * workers:
                             pending.popleft().result()
                         pending.append(pool.submit(fill, job))

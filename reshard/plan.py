@@ -3,24 +3,27 @@
 ``full_target`` says what a whole-tensor output holds (names, dtypes, one box per tensor);
 ``make_plan`` pairs every piece of the writer's file layout with the source chunk boxes that
 overlap it. The plan is a plain value: tests inspect it, ``reshard inspect`` can print it, and
-the engine only executes it.
+the engine only executes it. Files of many small pieces whose bytes are stored runs are
+planned in columns as well (``reshard.byte_runs``: ``Plan.gathered``).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from reshard.boxes import Box, full_box
+from reshard.byte_runs import Gathered, LayoutColumns, gather_plan
 from reshard.catalog import (Catalog, Chunk, IndexedTensorEntry, NestedPath, ObjectTable, Target, TargetTensor, TensorEntry,
                              object_loader, pick_objects)
 from reshard.conventions import PARAM, Layout, detect_layout
 from reshard.dtypes import DType
 from reshard.errors import UsageError, option
-from reshard.pieces import OutputFile, Piece
+from reshard.pieces import OutputFile, Piece, SegmentTable, segment_size
 from reshard.sizes import plural
 from reshard.storage import RemotePath
 from reshard.structure import CONTAINERS_ATTR
@@ -41,9 +44,21 @@ class PieceSources(Mapping[Piece, list[Source]]):
     held as lists for every piece of a checkpoint of 100k tensors on many ranks, they were
     hundreds of MiB. ``make_plan`` has checked every piece before this exists."""
 
-    def __init__(self, tensors: Mapping[str, TensorEntry], pieces: Iterable[Piece]) -> None:
+    def __init__(self, tensors: Mapping[str, TensorEntry], pieces: Iterable[Piece] | Callable[[], Iterable[Piece]]) -> None:
         self._tensors = tensors
-        self._pieces = dict.fromkeys(pieces)
+        self._given = pieces
+        self._known: dict[Piece, None] | None = None
+        self._listing = threading.Lock()  # the engine's workers may ask first at the same time
+
+    @property
+    def _pieces(self) -> dict[Piece, None]:
+        """The plan's pieces, listed the first time something asks which they are (a layout
+        in columns makes a ``Piece`` per segment only then)."""
+        if self._known is None:
+            with self._listing:
+                if self._known is None:
+                    self._known = dict.fromkeys(self._given() if callable(self._given) else self._given)
+        return self._known
 
     def __getitem__(self, piece: Piece) -> list[Source]:
         if piece not in self._pieces:
@@ -82,23 +97,45 @@ class Plan:
     sources: PieceSources
     decoded_chunk_bytes: int = 0  # the largest source chunk decoded whole (compressed zarr), 0 if none
     remote: bool = False  # the sources are read from an object store (request latency, not CPU, bounds a worker)
+    # Files of many small pieces as runs of bytes, written a window at a time (``reshard.gather``);
+    # their pieces are left out of ``pieces(gathered=False)``.
+    gathered: Gathered | None = None
 
     @property
     def total_bytes(self) -> int:
-        return sum(p.nbytes for p in self.sources)
+        return sum(_piece_bytes(f) for f in self.files)
 
     def subset(self, indices: list[int]) -> Plan:
         """The plan for some of the files only (one rank's share under torchrun)."""
         files = [self.files[i] for i in indices]
         sources = self.sources.subset(seg for f in files for seg in f.segments if isinstance(seg, Piece))
-        return Plan(files, sources, sources.largest_decoded_chunk() if self.decoded_chunk_bytes else 0, self.remote)
+        gathered = self.gathered.subset({f.relpath for f in files}) if self.gathered is not None else None
+        return Plan(files, sources, sources.largest_decoded_chunk() if self.decoded_chunk_bytes else 0, self.remote,
+                    gathered)
 
-    def pieces(self) -> Iterable[tuple[OutputFile, int, Piece]]:
-        """(file, byte offset in file, piece) for every piece, in file order."""
+    def pieces(self, gathered: bool = True) -> Iterable[tuple[OutputFile, int, Piece]]:
+        """(file, byte offset in file, piece) for every piece, in file order; with
+        ``gathered=False``, only those ``gathered`` does not write."""
         for f in self.files:
-            for off, seg in zip(f.offsets(), f.segments):
-                if isinstance(seg, Piece):
+            skip = self.gathered.segments.get(f.relpath) if self.gathered is not None and not gathered else None
+            if isinstance(f.segments, SegmentTable):
+                keep = f.segments.kind < 0
+                if skip is not None:
+                    keep[skip] = False
+                offsets = f.segments.offsets()
+                for k in np.flatnonzero(keep).tolist():
+                    yield f, int(offsets[k]), f.segments[k]  # type: ignore[misc]
+                continue
+            left = None if skip is None else set(skip.tolist())
+            for k, (off, seg) in enumerate(zip(f.offsets(), f.segments)):
+                if isinstance(seg, Piece) and (left is None or k not in left):
                     yield f, off, seg
+
+
+def _piece_bytes(f: OutputFile) -> int:
+    if isinstance(f.segments, SegmentTable):
+        return int(f.segments.sizes[f.segments.kind < 0].sum())
+    return sum(segment_size(s) for s in f.segments if isinstance(s, Piece))
 
 
 def select(catalog: Catalog, only: str | None, layout: Layout | None = None) -> tuple[list[str], list[str]]:
@@ -265,13 +302,17 @@ def sources_for(entry: TensorEntry, box: Box) -> list[Source]:
 
 def make_plan(catalog: Catalog, files: list[OutputFile]) -> Plan:
     """The plan for the writer's ``files``, every piece checked to be covered by stored chunks
-    before anything is written."""
-    pieces = [seg for f in files for seg in f.segments if isinstance(seg, Piece)]
+    before anything is written. Pieces ``byte_runs`` gathers are checked by their pattern;
+    the others one by one, in file order."""
+    gathered = gather_plan(catalog, files, LayoutColumns.of_files(files))
+    plan = Plan(files, PieceSources(catalog.tensors, lambda: (p for _, _, p in plan.pieces())), 0,
+                isinstance(catalog.path, RemotePath), gathered)
     decoded = 0  # found on the way, so the engine need not work out every piece's sources again
-    for seg in pieces:
+    for _, _, seg in plan.pieces(gathered=False):
         sources = sources_for(catalog.tensors[seg.name], seg.box)
         covered = sum(s.box.numel for s in sources)
         if covered != seg.box.numel:
             raise UsageError(f"{catalog.path}: {seg.name!r} box {seg.box} is only {covered}/{seg.box.numel} covered by stored chunks")
         decoded = max(decoded, max(map(_decoded_bytes, sources), default=0))
-    return Plan(files, PieceSources(catalog.tensors, pieces), decoded, isinstance(catalog.path, RemotePath))
+    plan.decoded_chunk_bytes = decoded
+    return plan

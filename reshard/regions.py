@@ -27,7 +27,8 @@ from reshard.storage import Handle, close, open_read, pread_into
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["StoredRegion", "as_tensor", "as_array", "read_exact", "c_strides", "as_region", "bytes_of_run", "array_run", "read_in_place", "fill_in_bands", "BAND_BYTES", "Banded"]
+__all__ = ["StoredRegion", "as_tensor", "as_array", "read_exact", "read_into", "c_strides", "as_region", "bytes_of_run",
+           "array_run", "read_in_place", "fill_in_bands", "BAND_BYTES", "Banded"]
 
 _MIN_SPAN = 1 << 16  # a strided read may always span this much: fewer, larger reads of small boxes
 
@@ -45,6 +46,11 @@ def read_exact(fd: Handle, nbytes: int, offset: int, path: Path | str) -> bytear
     buf = bytearray(nbytes)
     _read_into(fd, memoryview(buf), offset, path)
     return buf
+
+
+def read_into(fd: Handle, view: memoryview, offset: int, path: Path | str) -> None:
+    """Fill ``view`` from ``offset``; a short read means the file is truncated."""
+    _read_into(fd, view, offset, path)
 
 
 def _read_array(fd: Handle, nbytes: int, offset: int, path: Path | str) -> np.ndarray:

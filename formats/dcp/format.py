@@ -28,6 +28,7 @@ from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, Objec
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
 from reshard.formats.dcp.index import load_dcp_index
+from reshard.formats.dcp.locate import RecordLocator, TensorRecords
 from reshard.formats.dcp.metadata import ChunkTable, DCPIndex, StorageRecord
 from reshard.formats.dcp.ranks import CheckedCopies, rank_metadata_files, same_bytes
 from reshard.formats.dcp.records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record
@@ -142,28 +143,35 @@ class _LazyChunk:
 
 
 def _lazy_entry(name: str, shape: tuple[int, ...], dtype: DType, table: ChunkTable,
-                file_paths: list[Path]) -> TensorEntry:
+                file_paths: list[Path], locator: RecordLocator) -> TensorEntry:
     """``file_paths``: the folder's data files as paths, made once for all tensors (a path per
     chunk cost more than the rest of planning)."""
     # No empty shards (the usual case): the columns as they are, not copies.
     rows = None if table.sizes.all() else table.nonempty()
-    located: list[np.ndarray] = []  # each record's tensor data offset, once known: made when first asked
+    # each record's tensor data offset, once known (``TensorRecords.located``): made when first asked
+    records = TensorRecords(name, table, rows, dtype)
 
     def make(i: int, box: Box) -> ChunkData:
         k = i if rows is None else int(rows[i])
-        if not located:
-            located.append(np.full(len(table), -1, dtype=np.int64))
-        return _LazyChunk(file_paths[table.file[k]], name, table, k, located[0], box, dtype)
+        return _LazyChunk(file_paths[table.file[k]], name, table, k, records.located_column(), box, dtype)
 
     def paths() -> set[Path]:
-        return {file_paths[f] for f in np.unique(table.file if rows is None else table.file[rows]).tolist()}
+        return {file_paths[f] for f in set((table.file if rows is None else table.file[rows]).tolist())}
 
     # Chunk objects are not held, except zstd ones: each keeps its paused decompression stream
     # for the next piece that reads on from where the last one stopped.
     keep = bool(table.transforms)
-    if rows is None:
-        return IndexedTensorEntry(name, shape, dtype, table.offsets, table.sizes, make, paths, keep=keep)
-    return IndexedTensorEntry(name, shape, dtype, table.offsets[rows], table.sizes[rows], make, paths, keep=keep)
+    offsets, sizes = (table.offsets, table.sizes) if rows is None else (table.offsets[rows], table.sizes[rows])
+    return IndexedTensorEntry(name, shape, dtype, offsets, sizes, make, paths, keep=keep, locator=locator, records=records)
+
+
+def _region_of(file_paths: list[Path]) -> Callable[[TensorRecords, int], StoredRegion | None]:
+    """How ``RecordLocator`` reads one record on its own: as a lazy chunk would."""
+    def region(records: TensorRecords, k: int) -> StoredRegion | None:
+        table = records.table
+        return _LazyChunk(file_paths[table.file[k]], records.name, table, k, records.located_column(), table.box(k),
+                          records.dtype).region()
+    return region
 
 
 def _fast_path(root: Path, index: DCPIndex, records: RecordColumns) -> bool:
@@ -200,8 +208,9 @@ class DCPFormat:
         if _fast_path(path, index, records):
             records.check(path)
             file_paths = [path / f for f in index.files]
+            locator = RecordLocator(file_paths, _region_of(file_paths))
             for name, (shape, dtype, _) in index.tensors.items():
-                catalog.tensors[name] = _lazy_entry(name, shape, dtype, index.table(name), file_paths)
+                catalog.tensors[name] = _lazy_entry(name, shape, dtype, index.table(name), file_paths, locator)
             catalog.objects = ObjectTable({name: _lazy_object(path, name, rec) for name, rec in index.objects.items()})
             return catalog
         placed = place_records(path, _items(index))
@@ -320,7 +329,7 @@ class DCPWriter:
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         # Deferred: only writing needs it, and its dataclasses cost every reading command 7 ms.
-        from reshard.formats.dcp.metadata_write import TensorTable, metadata_bytes
+        from reshard.formats.dcp.metadata_write import TensorTable, write_metadata
 
         table = self._table
         if table is None or list(target.tensors) != table.names:
@@ -336,7 +345,8 @@ class DCPWriter:
         containers = dict(target.attrs.get(CONTAINERS_ATTR) or {})
         names = [*target.tensors, *objects]
         planner_data = _Computed(names, lambda name: dcp_path(target.nested_path(name), containers))
-        (staging / ".metadata").write_bytes(metadata_bytes(tensors, objects, planner_data, containers))
+        with open(staging / ".metadata", "wb") as out:  # written as made: tens of MiB at 100k tensors
+            write_metadata(out, tensors, objects, planner_data, containers)
 
     def notices(self, target: Target) -> list[str]:
         return []

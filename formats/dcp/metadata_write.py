@@ -19,7 +19,7 @@ import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from reshard.formats.dcp.opcode_rows import Slot, int_slot, join_rows, table_slo
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorTable", "metadata_bytes"]
+__all__ = ["TensorTable", "metadata_bytes", "write_metadata"]
 
 _META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -152,9 +152,17 @@ def _rename_globals(data: bytes) -> bytes:
 
 def metadata_bytes(tensors: TensorTable, objects: dict[str, tuple[str, int, int]],
                    planner_data: Mapping[str, tuple], containers: dict[tuple, str] | None = None) -> bytes:
-    """The pickle of a DCP ``Metadata`` for these tensors (chunks in storage order; a mapping
-    whose records may be made on demand) and byte objects (name -> (relpath, offset, length));
-    ``containers``: see ``reshard.structure``.
+    """``write_metadata`` into bytes."""
+    out = io.BytesIO()
+    write_metadata(out, tensors, objects, planner_data, containers)
+    return out.getvalue()
+
+
+def write_metadata(out: BinaryIO, tensors: TensorTable, objects: dict[str, tuple[str, int, int]],
+                   planner_data: Mapping[str, tuple], containers: dict[tuple, str] | None = None) -> None:
+    """Write to ``out`` the pickle of a DCP ``Metadata`` for these tensors (chunks in storage
+    order) and byte objects (name -> (relpath, offset, length)); ``containers``: see
+    ``reshard.structure``.
 
     The small outer object is pickled by the pickler; its three big dicts (one entry per
     tensor or chunk) are written by ``_Opcodes``, entry by entry, as the pickler would write
@@ -176,7 +184,6 @@ def metadata_bytes(tensors: TensorTable, objects: dict[str, tuple[str, int, int]
                     reshard_containers=containers or None)
     head = _rename_globals(_unmemoized(meta))
     placeholders = {part: ops.text(token, memo=False) for part, token in tokens.items()}
-    out = io.BytesIO()
     out.write(pickle.PROTO + b"\x02")
     at = 0
     for where, part in sorted((head.index(placeholders[p]), p) for p in big):
@@ -185,7 +192,6 @@ def metadata_bytes(tensors: TensorTable, objects: dict[str, tuple[str, int, int]
             out.write(opcodes)
         at = where + len(placeholders[part])
     out.write(head[at:] + pickle.STOP)
-    return out.getvalue()
 
 
 def _unmemoized(obj: Any) -> bytes:

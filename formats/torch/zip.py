@@ -38,8 +38,8 @@ from reshard.safe_pickle.unpickler import Unpickled, safe_loads, safe_loads_defe
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["read_torch_zip", "read_torch_zip_deferred", "load_object_blob", "materialize", "TorchPickle", "StorageRef",
-           "DTensorRef", "Record", "STORAGE_DTYPES"]
+__all__ = ["read_torch_zip", "read_torch_zip_deferred", "varying_spans", "load_object_blob", "materialize", "TorchPickle",
+           "StorageRef", "DTensorRef", "Record", "STORAGE_DTYPES"]
 
 # The storage classes torch.save names in a tensor's persistent id (the usual dtypes' tensors
 # are rebuilt from them with no dtype global of their own).
@@ -343,6 +343,19 @@ def read_torch_zip(path: Path, start: int = 0, length: int | None = None, name: 
     with _open_archive(path, start, length) as reader:
         reader.root = name
         return reader.load()
+
+
+def varying_spans(path: Path, start: int, length: int) -> list[tuple[int, int]]:
+    """Where two torch.save archives of one layout may differ: (archive-relative offset,
+    length) of every CRC-32 field, every storage payload (the tensor bytes) and the payload
+    of ``.data/serialization_id`` (new on every save). Two archives equal outside these spans
+    hold the same pickle, records and offsets, so one read of this archive describes both."""
+    with _open_archive(path, start, length) as reader:
+        entries = reader.zip.entries
+        variable = [e for n, e in entries.items() if n.startswith(reader.prefix + "data/")
+                    or n == reader.prefix + ".data/serialization_id"]
+        spans = [(reader.zip.data_start(e), e.size) for e in variable]
+        return spans + [(at, 4) for at in reader.zip.crc_fields()]
 
 
 def read_torch_zip_deferred(path: Path) -> Unpickled:

@@ -100,6 +100,25 @@ class ZipIndex:
             at = end
         return entries
 
+    def crc_fields(self) -> list[int]:
+        """Where every CRC-32 field of the archive starts (local headers, data descriptors,
+        central directory): the bytes two archives of one layout may differ in beside their
+        payloads (``formats.dcp.locate`` compares archives with that allowance)."""
+        n, cd_size, cd_offset = self._end_record()
+        cd = self._read(cd_offset, cd_size)
+        out, at = [], 0
+        for _ in range(n):
+            f = _CENTRAL.unpack_from(cd, at)
+            out.append(cd_offset + at + 16)
+            at += _CENTRAL.size + f[10] + f[11] + f[12]
+        for entry in self.entries.values():
+            head = self._read(entry.header_offset, _LOCAL.size)
+            out.append(entry.header_offset + 14)
+            if _LOCAL.unpack(head)[2] & 0x08:  # a data descriptor after the payload: [signature] crc sizes
+                end = self.data_start(entry) + entry.size
+                out.append(end + 4 if self._read(end, 4) == b"PK\x07\x08" else end)
+        return out
+
     def data_start(self, entry: ZipEntry) -> int:
         if entry.compressed:
             raise UnsupportedFormatError(f"{self.where}: record {entry.name} is compressed")
