@@ -246,3 +246,22 @@ def test_one_of_a_thing_is_said_in_the_singular(tmp_path: Path, capsys) -> None:
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "one.safetensors"), "--only", "extra"]) == 0
     assert f"\nwrote {tmp_path / 'one.safetensors'} (safetensors, 1 tensor, 8 B) in " in capsys.readouterr().err
     assert list(load_file(tmp_path / "one.safetensors")) == ["extra.scale"]
+
+
+def test_a_conversion_detects_the_layout_once(monkeypatch) -> None:
+    """``build_target`` asks for the layout before and after steps that leave the tables as
+    they were (notices added by ``dataclasses.replace``): the answer is carried, not
+    recomputed (at 100k tensors a detection costs seconds); a step that changes the tables
+    (``exclude``) is detected anew."""
+    from reshard import conventions
+    from reshard.convert import build_target
+    from reshard.options import ConvertOptions
+
+    calls = []
+    real = conventions._detect
+    monkeypatch.setattr(conventions, "_detect", lambda *a: calls.append(a) or real(*a))
+    names, objects, _ = CASES["torchtitan"]
+    build_target(_catalog(names, objects, nested=True), "dcp", ConvertOptions(mesh="2"))
+    assert len(calls) == 1
+    build_target(_catalog(names, objects, nested=True), "dcp", ConvertOptions(mesh="2", exclude=["train_state.*"]))
+    assert len(calls) == 3

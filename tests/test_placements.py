@@ -153,3 +153,26 @@ def test_tp_preset_knows_hf_names_and_three_dim_meshes() -> None:
     got3 = assign_placements(load_placement_plan(None, mesh3), mesh3, _HF, _layout(_HF))
     assert got3["model.layers.0.self_attn.o_proj.weight"] == (REPLICATE, shard(0), shard(1))
     assert got3["model.norm.weight"] == (REPLICATE, shard(0), REPLICATE)
+
+
+def test_boxes_of_one_holder_are_owned_as_when_placed_one_by_one() -> None:
+    """``mesh_shards`` takes the owners of boxes that no two ranks hold from a cache: the same
+    boxes, owners and per-rank loads as placing every box (``distinct_boxes``), tensor after
+    tensor, replicated ones (whose owners depend on the load so far) among them."""
+    import random
+
+    from reshard.mesh.sharding import mesh_shards
+
+    rng = random.Random(0)
+    for spec, options in (("4", [(shard(0),), (REPLICATE,)]), ("2x3", [(REPLICATE, shard(0)), (shard(0), shard(1)),
+                                                                      (shard(1), shard(0)), (REPLICATE, REPLICATE)])):
+        mesh = parse_mesh(spec)
+        load, expected_load = [0] * mesh.world_size, [0] * mesh.world_size
+        for _ in range(300):
+            shape = tuple(rng.randint(0, 7) for _ in range(rng.choice([1, 2])))
+            placements = rng.choice([p for p in options if all(k != "Shard" or d < len(shape) for k, d in p)])
+            itemsize = rng.choice([1, 2, 4])
+            local, boxes, ranks = mesh_shards(shape, placements, mesh, itemsize, load)
+            assert local == local_boxes(shape, placements, mesh)
+            assert (boxes, ranks) == distinct_boxes(local, itemsize, expected_load)
+            assert load == expected_load

@@ -263,7 +263,7 @@ class _Opcodes:
             return b"M" + struct.pack("<H", value)
         if -(2**31) <= value < 2**31:
             return b"J" + struct.pack("<i", value)
-        data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        data = pickle.encode_long(value)  # type: ignore[attr-defined]  # the pickler's own bytes
         return b"\x8a" + bytes([len(data)]) + data  # LONG1
 
     def _tuple(self, items: list[bytes]) -> bytes:
