@@ -242,14 +242,12 @@ class _Opcodes:
         ref = self._text_refs.get(value) if memo else None
         if ref is not None:  # a name or field met before: its memo reference, made once
             return ref
-
-        def encode() -> bytes:
-            data = value.encode("utf-8", "surrogatepass")
-            return b"X" + struct.pack("<I", len(data)) + data
+        data = value.encode("utf-8", "surrogatepass")
+        encoded = b"X" + struct.pack("<I", len(data)) + data
         if not memo:
-            return encode()
-        out = self._memoized(("str", value), encode)
-        self._text_refs[value] = self._memoized(("str", value), encode)
+            return encoded
+        out = self._memoized(("str", value), lambda: encoded)
+        self._text_refs[value] = self._memoized(("str", value), lambda: encoded)
         return out
 
     def _global(self, qualified: str) -> bytes:
