@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,10 +73,10 @@ class LayoutColumns:
 
     @classmethod
     def of_files(cls, files: list[OutputFile]) -> LayoutColumns:
-        tables = [f.segments for f in files]
+        tables: list[Any] = [f.segments for f in files]  # SegmentTables, when every file is one
         if tables and all(isinstance(t, SegmentTable) for t in tables) and \
                 len({id(t.pieces) for t in tables}) == 1 and len({id(t.literals) for t in tables}) == 1:
-            return cls._of_tables(tables)  # type: ignore[arg-type]
+            return cls._of_tables(tables)
         return cls._of_lists(files)
 
     @classmethod

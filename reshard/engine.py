@@ -614,7 +614,8 @@ class Engine:
             lock = threading.Lock()
 
             def fill(job: gather.Window | _RowGroup | tuple[str, int, Piece]) -> None:
-                if isinstance(job, gather.Window) and plan.gathered is not None:  # windows come from it
+                if isinstance(job, gather.Window):
+                    assert plan.gathered is not None  # windows come from it
                     self._fill_window(job, plan.gathered, paths, fds, outs, stats, bar, window_bytes)
                     files = [job.relpath]
                 elif isinstance(job, _RowGroup):

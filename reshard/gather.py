@@ -74,7 +74,7 @@ def write_window(fd: int, window: Window, gathered: Gathered, fds: FdPool, scrat
         with fds.use(path) as src_fd:
             data, at = _read_spans(src_fd, path, src_off[mine], length[mine], read_limit, spare)
         copy_runs(out, dst[mine], data, at, length[mine])
-    view = memoryview(out)
+    view = memoryview(out)  # type: ignore[arg-type]  # numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
     offset = start
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
@@ -104,7 +104,7 @@ def _read_spans(fd: int, path: Path, offsets: np.ndarray, lengths: np.ndarray, l
     at_span = np.r_[0, np.cumsum(span_hi - span_lo)]
     size = int(at_span[-1])
     data = into[:size] if len(into) >= size else np.empty(size, dtype=np.uint8)
-    view = memoryview(data)
+    view = memoryview(data)  # type: ignore[arg-type]  # numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
     for s, e, where in zip(span_lo.tolist(), span_hi.tolist(), at_span[:-1].tolist()):
         read_into(fd, view[where:where + e - s], s, path)
     span_of = np.repeat(np.arange(len(first)), last - first + 1)

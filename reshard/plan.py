@@ -124,7 +124,7 @@ class Plan:
                     keep[skip] = False
                 offsets = f.segments.offsets()
                 for k in np.flatnonzero(keep).tolist():
-                    yield f, int(offsets[k]), f.segments[k]  # type: ignore[misc]
+                    yield f, int(offsets[k]), f.segments[k]
                 continue
             left = None if skip is None else set(skip.tolist())
             for k, (off, seg) in enumerate(zip(f.offsets(), f.segments)):

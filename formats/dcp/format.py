@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -170,7 +170,7 @@ def _region_of(file_paths: list[Path]) -> Callable[[TensorRecords, int], StoredR
     def region(records: TensorRecords, k: int) -> StoredRegion | None:
         table = records.table
         return _LazyChunk(file_paths[table.file[k]], records.name, table, k, records.located_column(), table.box(k),
-                          records.dtype).region()
+                          cast(DType, records.dtype)).region()
     return region
 
 
@@ -300,7 +300,8 @@ class DCPWriter:
                 row = np.concatenate([row, np.full(len(extra), -1)])
             # A rank that stores nothing (its shards are replicas kept by others) gets no file.
             if len(kind) or rank == 0:
-                files.append(OutputFile(relpath, SegmentTable(table, literals, kind.astype(np.int64), row.astype(np.int64))))
+                segments = SegmentTable(table, literals, kind.astype(np.int64), row.astype(np.int64))
+                files.append(OutputFile(relpath, cast(list, segments)))  # a SegmentTable is a sequence of segments
         return files
 
     @staticmethod
@@ -332,7 +333,7 @@ class DCPWriter:
         from reshard.formats.dcp.metadata_write import TensorTable, write_metadata
 
         table = self._table
-        if table is None or list(target.tensors) != table.names:
+        if table is None or table.pattern is None or list(target.tensors) != table.names:
             raise ValueError("DCPWriter.finish: the target is not the one laid out")
         count = np.bincount(table.tensor, minlength=len(table.names))
         tensors = TensorTable(table.names, table.dtypes, [t.shape for t in target.tensors.values()], table.first, count,

@@ -78,8 +78,9 @@ class RecordLocator:
         cols = _columns(records)
         bounds = np.r_[0, np.cumsum(np.bincount(cols.owner, minlength=len(records)))].tolist()
         start = np.full(len(cols.row), -1, dtype=np.int64)
-        for i in [i for i, r in enumerate(records) if r.located is not None]:  # what earlier reads found
-            start[bounds[i]:bounds[i + 1]] = records[i].located[records[i].row_numbers()]
+        for i, r in enumerate(records):  # what earlier reads found
+            if r.located is not None:
+                start[bounds[i]:bounds[i + 1]] = r.located[r.row_numbers()]
         todo = np.flatnonzero((start < 0) & (cols.length <= _MAX_RECORD) & (cols.kind >= 0))
         if len(todo) and not any(isinstance(p, RemotePath) for p in self.file_paths):
             for kind in np.unique(cols.kind[todo]).tolist():
@@ -159,7 +160,7 @@ class RecordLocator:
             data = np.empty(hi - lo, dtype=np.uint8)
             fd = open_read(path)
             try:
-                read_into(fd, memoryview(data), lo, path)
+                read_into(fd, memoryview(data), lo, path)  # type: ignore[arg-type]  # numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
             finally:
                 close(fd)
             recs = np.lib.stride_tricks.sliding_window_view(data, length)[start[a:b] - lo]

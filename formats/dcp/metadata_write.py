@@ -13,6 +13,7 @@ result as their own.
 from __future__ import annotations
 
 import enum
+import functools
 import io
 import pickle
 import struct
@@ -261,7 +262,7 @@ class _Opcodes:
             return b"M" + struct.pack("<H", value)
         if -(2**31) <= value < 2**31:
             return b"J" + struct.pack("<i", value)
-        data = pickle.encode_long(value)  # type: ignore[attr-defined]  # the pickler's own bytes
+        data = pickle.encode_long(value)  # the pickler's own bytes
         return b"\x8a" + bytes([len(data)]) + data  # LONG1
 
     def _tuple(self, items: list[bytes]) -> bytes:
@@ -427,8 +428,8 @@ class _StorageRows:
             self._name_refs = [ops.text(name) for name in self.names]
         names = self._name_refs
         heads = [ops._cached("key_head", key_head)]
-        tails = [ops._cached(("chunk", c), lambda c=c: key_tail(c)) for c in self.layouts]
-        infos = [ops._cached(("info", r), lambda r=r: info_head(r)) for r in self.relpaths]
+        tails = [ops._cached(("chunk", c), functools.partial(key_tail, c)) for c in self.layouts]
+        infos = [ops._cached(("info", r), functools.partial(info_head, r)) for r in self.relpaths]
         closers = [ops._cached("length", lambda: ops.text("length")), b"ub", b"(", b"u"]
         fast = ~self.first_use[a:b]
         none = np.full(b - a, -1, dtype=np.int64)
