@@ -29,8 +29,8 @@ from typing import Any, cast
 
 from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.structure import CONTAINERS_ATTR
 from reshard.options import ConvertOptions
+from reshard.structure import CONTAINERS_ATTR
 
 __all__ = ["AccelerateFormat", "MODEL_DIR", "OPTIMIZER_DIR", "model_indices"]
 

@@ -26,11 +26,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from reshard.formats.dcp.format import DCPFormat
+from reshard.formats.torch.file import read_torch_file
+from reshard.formats.torch.save import add_leaves, flatten_tree
+
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.formats.dcp.format import DCPFormat
-from reshard.formats.torch.save import add_leaves, flatten_tree
-from reshard.formats.torch.file import read_torch_file
 from reshard.options import ConvertOptions
 
 __all__ = ["MegatronFormat", "resolve_iteration"]

@@ -21,12 +21,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
-from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.formats.safetensors.format import _CONFIGS, _load_json
+from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.ranks import complete_set, first_refused, read_set
 from reshard.formats.torch.save import FlatTree, flatten_tree
-from reshard.formats.torch.file import read_torch_file
+
+from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
+from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError
 from reshard.structure import CONTAINERS_ATTR
 
 __all__ = ["VERL_SETS", "verl_sets", "read_verl"]

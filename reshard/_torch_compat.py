@@ -7,7 +7,6 @@ record type. Nothing else in reshard imports an underscored torch name.
 
 from __future__ import annotations
 
-
 from typing import TYPE_CHECKING
 
 import torch

@@ -255,8 +255,12 @@ def _torch_dtype(config: Mapping[str, Any]) -> Any:
 def _load(built: _Built, tensors: Mapping[str, Any]) -> ArchitectureCheck:
     import torch
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import (WeightConverter, WeightRenaming, convert_and_load_state_dict_in_model,
-                                                 rename_source_key)
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        convert_and_load_state_dict_in_model,
+        rename_source_key,
+    )
     from transformers.modeling_utils import LoadStateDictConfig
 
     model, quantizer = built.model, built.quantizer

@@ -200,9 +200,8 @@ def inspect(
     imbalance, and the tensors that do not divide evenly."""
     _debug["on"] |= debug
     _allow(allow_class)
-    from reshard.report import catalog_json, catalog_table
-
     import reshard
+    from reshard.report import catalog_json, catalog_table
 
     catalog = reshard.inspect(src, layout=layout, storage_options=_store(storage_options))
     summary = None
@@ -289,11 +288,10 @@ def convert(
     _debug["on"] |= debug
     _allow(allow_class)
     _check_memory(max_memory)
-    from reshard.sizes import format_size, plural
-
     import reshard
     from reshard.options import ConvertOptions
     from reshard.parallel import torchrun_group
+    from reshard.sizes import format_size, plural
 
     options = ConvertOptions(
         to=to, mesh=to_mesh, placements=placements, dtype=dtype, only=only, exclude=exclude, keymap=keymap,

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from itertools import repeat
 from typing import TYPE_CHECKING, NamedTuple
 
-from reshard.gc_pause import without_gc
 from reshard.errors import UsageError, option
+from reshard.gc_pause import without_gc
 from reshard.sizes import plural
 
 if TYPE_CHECKING:

@@ -15,18 +15,28 @@ from reshard.conventions import Layout, detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
 from reshard.errors import SourceChangedError, UsageError, option
+from reshard.formats.registry import (
+    all_suffixes,
+    format_entry,
+    format_for_destination,
+    format_options,
+    get_format,
+    load_target,
+    mesh_writer,
+    remote_writes,
+    shown_name,
+    taking,
+)
 from reshard.gc_pause import paused_gc
-from reshard.protocol import Writer
-from reshard.pieces import OutputFile
-from reshard.formats.registry import (all_suffixes, format_entry, format_for_destination, format_options, get_format,
-                                      load_target, mesh_writer, remote_writes, shown_name, taking)
-from reshard.options import ConvertOptions, named
+from reshard.log import log_notices
+from reshard.mesh.placements import load_placement_plan
 from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
+from reshard.options import ConvertOptions, named
 from reshard.parallel import Workers, current_workers, split_files, world
-from reshard.mesh.placements import load_placement_plan
+from reshard.pieces import OutputFile
 from reshard.plan import DtypeKeep, Plan, full_target, make_plan, model_section
-from reshard.log import log_notices
+from reshard.protocol import Writer
 from reshard.sizes import format_size, preview
 from reshard.sources import local_path, resolve_source
 from reshard.staging import StagedOutput

@@ -33,20 +33,29 @@ import numpy as np
 
 from reshard import dtypes, gather
 from reshard.boxes import Box, c_order_slabs, contiguous_range
+from reshard.byte_runs import Gathered
 from reshard.catalog import ArrayChunkData, ChunkData
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UsageError, option
-from reshard.pieces import OutputFile, Piece
-from reshard.manifest import FileDigest, file_digest
-from reshard.byte_runs import Gathered
-from reshard.plan import Plan, Source
 from reshard.fd_pool import FdPool
 from reshard.gc_pause import without_gc
-from reshard.storage import RemotePath, close, open_read
+from reshard.manifest import FileDigest, file_digest
+from reshard.pieces import OutputFile, Piece
+from reshard.plan import Plan, Source
 from reshard.progress import Progress
-from reshard.regions import (BAND_BYTES, StoredRegion, array_run, as_array, as_region, bytes_of_run, fill_in_bands, read_exact,
-                             read_in_place)
+from reshard.regions import (
+    BAND_BYTES,
+    StoredRegion,
+    array_run,
+    as_array,
+    as_region,
+    bytes_of_run,
+    fill_in_bands,
+    read_exact,
+    read_in_place,
+)
 from reshard.sizes import format_size
+from reshard.storage import RemotePath, close, open_read
 
 if TYPE_CHECKING:
     import torch

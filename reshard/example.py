@@ -29,14 +29,14 @@ class TinyNet(torch.nn.Module):
 
 
 def _save_worker(rank: int, world_size: int, out: str, ref: str) -> None:
+    import warnings
+
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
-
-    import warnings
 
     # torch warns that a wrapped Linear returns a view (its matmul reshapes 3-D input), in
     # case the caller modifies it in place; this model never does.

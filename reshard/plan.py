@@ -18,8 +18,18 @@ import numpy as np
 
 from reshard.boxes import Box, full_box
 from reshard.byte_runs import Gathered, LayoutColumns, gather_plan
-from reshard.catalog import (Catalog, Chunk, IndexedTensorEntry, NestedPath, ObjectTable, Target, TargetTensor, TensorEntry,
-                             object_loader, pick_objects)
+from reshard.catalog import (
+    Catalog,
+    Chunk,
+    IndexedTensorEntry,
+    NestedPath,
+    ObjectTable,
+    Target,
+    TargetTensor,
+    TensorEntry,
+    object_loader,
+    pick_objects,
+)
 from reshard.conventions import PARAM, Layout, detect_layout
 from reshard.dtypes import DType
 from reshard.errors import UsageError, option
@@ -28,7 +38,8 @@ from reshard.sizes import plural
 from reshard.storage import RemotePath
 from reshard.structure import CONTAINERS_ATTR
 
-__all__ = ["Plan", "PieceSources", "Source", "Casting", "DtypeKeep", "full_target", "make_plan", "model_section", "select", "sources_for"]
+__all__ = ["Plan", "PieceSources", "Source", "Casting", "DtypeKeep", "full_target", "make_plan", "model_section", "select",
+           "sources_for"]
 
 
 @dataclass(frozen=True)
@@ -147,8 +158,8 @@ def select(catalog: Catalog, only: str | None, layout: Layout | None = None) -> 
         tensors = [n for n in tensors if layout.in_section(n, only)]
         objects = [n for n in objects if layout.in_section(n, only)]
         if not tensors and not objects:
-            raise UsageError(f"{option(f'--only {only!r}', f'only={only!r}')} matches nothing in {catalog.path} (layout {layout.name}); "
-                             "try `reshard inspect` for names")
+            raise UsageError(f"{option(f'--only {only!r}', f'only={only!r}')} matches nothing in {catalog.path} "
+                             f"(layout {layout.name}); try `reshard inspect` for names")
     return tensors, objects
 
 
@@ -312,7 +323,8 @@ def make_plan(catalog: Catalog, files: list[OutputFile]) -> Plan:
         sources = sources_for(catalog.tensors[seg.name], seg.box)
         covered = sum(s.box.numel for s in sources)
         if covered != seg.box.numel:
-            raise UsageError(f"{catalog.path}: {seg.name!r} box {seg.box} is only {covered}/{seg.box.numel} covered by stored chunks")
+            raise UsageError(f"{catalog.path}: {seg.name!r} box {seg.box} is only {covered}/{seg.box.numel} covered by stored "
+                             f"chunks")
         decoded = max(decoded, max(map(_decoded_bytes, sources), default=0))
     plan.decoded_chunk_bytes = decoded
     return plan

@@ -22,8 +22,8 @@ from reshard.boxes import c_order_slabs, full_box
 from reshard.catalog import Catalog, TensorEntry
 from reshard.dtypes import DType, dtype_name
 from reshard.engine import assemble, assemble_bytes, moves_bytes
-from reshard.gc_pause import without_gc
 from reshard.errors import UsageError, option
+from reshard.gc_pause import without_gc
 from reshard.plan import sources_for
 from reshard.progress import Progress
 from reshard.provenance import carry_hf_configs, hf_configs

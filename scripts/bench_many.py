@@ -24,8 +24,8 @@ from typing import Any
 
 import bench
 from bench import Command, Context, Row
-from make_many_tensors_ckpt import default_many_path, ensure_many_tensors_checkpoint
 from bench_paths import budget_mib
+from make_many_tensors_ckpt import default_many_path, ensure_many_tensors_checkpoint
 
 __all__ = ["many_rows", "many_checks", "run_many"]
 
@@ -36,7 +36,8 @@ INSPECT = "reshard inspect --json"
 MESH = "reshard --to-mesh 4"
 TO_ST = "reshard -> safetensors"
 
-_READ_METADATA = "import sys; from torch.distributed.checkpoint import FileSystemReader; FileSystemReader(sys.argv[1]).read_metadata()"
+_READ_METADATA = ("import sys; from torch.distributed.checkpoint import FileSystemReader; "
+                  "FileSystemReader(sys.argv[1]).read_metadata()")
 
 
 def many_rows() -> list[Row]:

@@ -19,7 +19,8 @@ import reshard
 from reshard.architecture import ArchitectureMismatchError, check_architecture
 from tests.hf_models import save_tiny_llama
 from tests.quant_models import save_fp8_deepseek, save_mxfp4_gpt_oss
-from tests.test_cli import assert_one_line_error, reshard as run_cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as run_cli
 
 transformers = pytest.importorskip("transformers")
 

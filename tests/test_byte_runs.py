@@ -24,13 +24,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from reshard.formats.dcp.format import DCPWriter
+from reshard.formats.safetensors.format import SafetensorsWriter
 
 from reshard import byte_runs, dtypes, gather
 from reshard.boxes import Box, contiguous_range
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.engine import Engine
-from reshard.formats.dcp.format import DCPWriter
-from reshard.formats.safetensors.format import SafetensorsWriter
 from reshard.mesh.placements import load_placement_plan
 from reshard.mesh.sharding import parse_mesh
 from reshard.mesh.target import mesh_target
@@ -277,11 +277,11 @@ def test_many_small_tensors_convert_alike_either_way(moe_dcp: Path, tmp_path: Pa
 
 
 def test_records_are_located_in_bulk_as_one_by_one(moe_dcp: Path, tmp_path: Path) -> None:
-    from reshard.errors import CorruptCheckpointError
     from reshard.formats.dcp.format import DCPFormat
     from reshard.formats.dcp.index import load_dcp_index
 
     import reshard
+    from reshard.errors import CorruptCheckpointError
 
     catalog = DCPFormat().read(moe_dcp)
     entries = list(catalog.tensors.values())

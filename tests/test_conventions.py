@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from reshard.catalog import Catalog, TensorEntry
-from reshard.conventions import (OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, PER_RANK, detect_layout, layout_notices,
-                                 rename_path)
+from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, PER_RANK, detect_layout, layout_notices, rename_path
 from reshard.errors import UsageError
 
 

@@ -230,7 +230,8 @@ def test_default_destination_is_beside_the_source(fsdp2_dcp, tmp_path: Path) -> 
     (["/proc/out.pt"], "/proc/out.pt: cannot write here"),
 ])
 def test_surprising_outputs_and_options_are_one_line_errors(fsdp2_dcp, tmp_path: Path, args: list[str], message: str) -> None:
-    from tests.test_cli import assert_one_line_error, reshard as run_cli
+    from tests.test_cli import assert_one_line_error
+    from tests.test_cli import reshard as run_cli
 
     args = [str(tmp_path / a) if a.endswith((".onnx", ".safetensors", ".pt")) and not a.startswith("/") else a
             for a in args]
@@ -241,7 +242,8 @@ def test_surprising_outputs_and_options_are_one_line_errors(fsdp2_dcp, tmp_path:
 def test_errors_name_options_the_way_the_caller_gives_them(fsdp2_dcp, tmp_path: Path) -> None:
     """From Python the advice is ``overwrite=True``, from the shell ``--overwrite``."""
     from reshard.errors import OutputExistsError
-    from tests.test_cli import assert_one_line_error, reshard as run_cli
+    from tests.test_cli import assert_one_line_error
+    from tests.test_cli import reshard as run_cli
 
     out = tmp_path / "out.pt"
     reshard.convert(fsdp2_dcp[0], out, quiet=True)

@@ -27,7 +27,8 @@ import torch
 import reshard.engine
 from reshard.errors import OutputExistsError
 from reshard.staging import StagedOutput
-from tests.test_cli import assert_one_line_error, reshard as cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as cli
 
 _EXE = [shutil.which("reshard")] if shutil.which("reshard") else [sys.executable, "-m", "reshard"]
 

@@ -36,6 +36,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reshard.formats.dcp.index import load_dcp_index
+from reshard.formats.dcp.metadata import DCPIndex
+from reshard.formats.safetensors.format import SafetensorsFormat
+from reshard.formats.safetensors.header import Header, read_header
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader
@@ -44,10 +48,6 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from reshard.boxes import full_box
 from reshard.errors import ReshardError, UnsafeCheckpointError, UnsupportedFormatError
-from reshard.formats.dcp.index import load_dcp_index
-from reshard.formats.dcp.metadata import DCPIndex
-from reshard.formats.safetensors.format import SafetensorsFormat
-from reshard.formats.safetensors.header import Header, read_header
 from reshard.regions import StoredRegion
 
 FUZZ = settings(

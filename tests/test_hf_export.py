@@ -119,9 +119,9 @@ def test_titan_to_hf_is_not_applied_to_a_model_it_does_not_know(tmp_path: Path, 
     """torch's tutorial layout of a model that is not torchtitan's: one name (``norm.weight``)
     looks like torchtitan's, the others do not; --to hf renames nothing and says why, where it
     once renamed 1 of 6 tensors on its own."""
-    from reshard.example import TinyNet
-
     import torch.distributed.checkpoint as dcp
+
+    from reshard.example import TinyNet
 
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters())

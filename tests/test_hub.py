@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 import reshard
 import reshard.hub
 from tests.hf_models import save_tiny_llama
-from tests.test_cli import assert_one_line_error, reshard as run_cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as run_cli
 
 
 @pytest.fixture(scope="module")

@@ -18,11 +18,12 @@ import reshard
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import UsageError
+from reshard.keymap.chunks import read_box
 from reshard.keymap.lookup import PRESETS, load_keymap
 from reshard.keymap.maps import Drop
-from reshard.keymap.chunks import read_box
 from reshard.regions import StoredRegion
-from tests.test_cli import assert_one_line_error, reshard as run_cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as run_cli
 
 N_HEADS, N_KV, HD, DIM, FFN, VOCAB = 4, 2, 8, 32, 48, 64
 

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 import reshard
 from reshard.boxes import full_box
 from reshard.errors import UsageError
-from reshard.keymap.maps import KeyMap, Split
 from reshard.keymap.chunks import read_box
+from reshard.keymap.maps import KeyMap, Split
 from reshard.keymap.megatron import MegatronToHF
 from reshard.keymap.patterns import Pattern, Replacement
 from reshard.regions import as_region

@@ -10,7 +10,8 @@ import pytest
 import reshard
 from reshard.errors import UsageError
 from reshard.options import ConvertOptions
-from tests.test_cli import assert_one_line_error, reshard as run_cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as run_cli
 
 CASES = [
     # (API keyword arguments, CLI flags, what both messages say)

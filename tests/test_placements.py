@@ -10,11 +10,11 @@ import torch
 
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, TensorEntry
+from reshard.conventions import detect_layout
 from reshard.errors import UsageError
+from reshard.mesh.placements import assign_placements, load_placement_plan
 from reshard.mesh.sharding import REPLICATE, distinct_boxes, local_boxes, parse_mesh, parse_placement, shard
 from reshard.mesh.target import mesh_target, per_rank_names, uneven_dims
-from reshard.conventions import detect_layout
-from reshard.mesh.placements import assign_placements, load_placement_plan
 
 
 def _layout(shapes: dict[str, tuple[int, ...]]):

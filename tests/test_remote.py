@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import reshard
 from reshard import remote_output
-from reshard.verify import verify_manifest
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError, UnsupportedFormatError, UsageError
+from reshard.verify import verify_manifest
 
 fsspec = pytest.importorskip("fsspec")
 safetensors_torch = pytest.importorskip("safetensors.torch")

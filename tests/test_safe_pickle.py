@@ -37,7 +37,6 @@ def test_protocol_2_bytes_and_sets_load_as_torch_save_writes_them(tmp_path: Path
     """torch.save pickles with protocol 2: bytes become _codecs.encode(str, "latin1"), b""
     becomes __builtin__.bytes(), sets __builtin__.set. A real torch.save file, read by our reader."""
     import torch
-
     from reshard.formats.torch.zip import read_torch_zip
 
     value = {"b": b"abc\x00\xff", "e": b"", "ba": bytearray(b"xy"), "s": {1, 2}, "fs": frozenset([3]), "w": torch.ones(2)}
@@ -204,9 +203,10 @@ def test_allowed_classes_are_inert_and_pickle_back_under_their_names() -> None:
     import sys
 
     from reshard.formats.torch.zip_write import torch_pickle
+
     from reshard.safe_pickle.inert import Inert
-    from reshard.safe_pickle.value_types import VALUE_GLOBALS
     from reshard.safe_pickle.unpickler import allow_classes, allowed_classes
+    from reshard.safe_pickle.value_types import VALUE_GLOBALS
 
     assert allowed_classes() == frozenset()
     with allow_classes(["no_such_pkg.conf.Config", "no_such_pkg.conf:make"]):
@@ -241,8 +241,8 @@ def test_code_execution_primitives_cannot_be_allowed() -> None:
 
 def test_deferred_placeholders_absorb_everything_and_call_nothing(tmp_path: Path) -> None:
     from reshard.safe_pickle.inert import Refused, is_refused
-    from reshard.safe_pickle.value_types import VALUE_GLOBALS
     from reshard.safe_pickle.unpickler import safe_loads_deferred
+    from reshard.safe_pickle.value_types import VALUE_GLOBALS
 
     marker = tmp_path / "pwned"
     value = {"x": _Evil(marker), "ok": [1, {2}], "inside": [_Reduce(bytearray, (_Evil(marker),))]}

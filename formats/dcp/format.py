@@ -21,25 +21,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
-
-from reshard.boxes import Box
-from reshard.columns import unique_rows
-from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, Target, TensorEntry
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError
 from reshard.formats.dcp.index import load_dcp_index
 from reshard.formats.dcp.locate import RecordLocator, TensorRecords
 from reshard.formats.dcp.metadata import ChunkTable, DCPIndex, StorageRecord
 from reshard.formats.dcp.ranks import CheckedCopies, rank_metadata_files, same_bytes
 from reshard.formats.dcp.records import BLOB, ZIP, ZSTD, Item, Placed, RecordColumns, place_records, sniff_record
 from reshard.formats.dcp.zstd import ZstdChunk, load_zstd_object
-from reshard.pieces import OutputFile, PieceTable, SegmentTable
 from reshard.formats.torch.zip import load_object_blob, read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
-from reshard.storage import will_read
-from reshard.regions import StoredRegion
-from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
+
+from reshard.boxes import Box
+from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, Target, TensorEntry
+from reshard.columns import unique_rows
+from reshard.dtypes import DType
+from reshard.errors import CorruptCheckpointError
 from reshard.options import ConvertOptions
+from reshard.pieces import OutputFile, PieceTable, SegmentTable
+from reshard.regions import StoredRegion
+from reshard.storage import will_read
+from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
 
 if TYPE_CHECKING:
     import torch
@@ -219,7 +219,8 @@ class DCPFormat:
             for box, rec in chunks:
                 if box.numel == 0:
                     continue
-                data = [(_chunk_data(path, it, placed[it]), path / it.rec.relpath) for it in _copies(index, name, rec, box, dtype)]
+                data = [(_chunk_data(path, it, placed[it]), path / it.rec.relpath) for it in _copies(index, name, rec, box,
+                                                                                                     dtype)]
                 entry.chunks.append(Chunk(box, data[0][0] if len(data) == 1 else CheckedCopies(data, name)))
             catalog.tensors[name] = entry
         loaders = {}

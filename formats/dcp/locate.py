@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from reshard.formats.dcp.metadata import ChunkTable
+from reshard.formats.torch.zip import varying_spans
 
 from reshard.catalog import StoredChunks
 from reshard.columns import ranges, unique_rows
 from reshard.errors import ReshardError
-from reshard.formats.dcp.metadata import ChunkTable
-from reshard.formats.torch.zip import varying_spans
 from reshard.regions import StoredRegion, read_exact, read_into
 from reshard.storage import RemotePath, close, open_read
 

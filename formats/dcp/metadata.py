@@ -22,10 +22,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from reshard import dtypes
-from reshard.dtypes import DType
 from reshard.boxes import Box
-from reshard.gc_pause import paused_gc
+from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
+from reshard.gc_pause import paused_gc
 from reshard.safe_pickle.unpickler import safe_loads
 
 __all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "read_metadata_file"]
@@ -557,8 +557,8 @@ def _int_columns(rows: list[tuple], shape: tuple[int, int], where: str) -> np.nd
     return arr
 
 
-def _matched_table(chunks: list[ChunkStorageMetadata], recs: list[tuple[tuple[int, ...], Any, tuple]], ndim: int, files: list[str],
-                   where: str) -> ChunkTable:
+def _matched_table(chunks: list[ChunkStorageMetadata], recs: list[tuple[tuple[int, ...], Any, tuple]], ndim: int,
+                   files: list[str], where: str) -> ChunkTable:
     """The columns of one tensor whose records are matched to chunks one by one: by their
     chunk index where it is usable, else by offsets."""
     n = len(chunks)

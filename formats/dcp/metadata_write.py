@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
+from reshard.formats.dcp.opcode_rows import Slot, int_slot, join_rows, table_slot
 
 from reshard.columns import unique_rows
 from reshard.dtypes import DType
-from reshard.formats.dcp.opcode_rows import Slot, int_slot, join_rows, table_slot
 
 if TYPE_CHECKING:
     import torch

@@ -18,10 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from reshard.formats.dcp.metadata import DCPIndex, StorageRecord, read_metadata_file
+
 from reshard.boxes import Box
 from reshard.catalog import ChunkData
 from reshard.errors import CorruptCheckpointError
-from reshard.formats.dcp.metadata import DCPIndex, StorageRecord, read_metadata_file
 from reshard.regions import read_exact
 from reshard.storage import close, open_read
 

@@ -17,20 +17,19 @@ empty ones) are not opened.
 
 from __future__ import annotations
 
-
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import numpy as np
+from reshard.formats.dcp.metadata import DCPIndex, StorageRecord
+from reshard.formats.dcp.safetensors import BlobChunk, read_blob
+from reshard.formats.dcp.zstd import DESCRIPTOR, content_size, require_zstandard
 
 from reshard.boxes import Box
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.dcp.metadata import DCPIndex, StorageRecord
-from reshard.formats.dcp.safetensors import BlobChunk, read_blob
-from reshard.formats.dcp.zstd import DESCRIPTOR, content_size, require_zstandard
 from reshard.regions import StoredRegion, read_exact
 from reshard.storage import Handle, close, handle_size, open_read
 
@@ -177,7 +176,8 @@ class RecordColumns:
         self.names, self.tables, self.objects = names, tables, obj_names
         counts = [len(t) for t in tables]
         obj = [index.objects[n] for n in obj_names]
-        file = np.concatenate([t.file.astype(np.int64) for t in tables] + [np.array([ids[r.relpath] for r in obj], dtype=np.int64)])
+        file = np.concatenate([t.file.astype(np.int64) for t in tables] + [np.array([ids[r.relpath] for r in obj],
+                                                                                    dtype=np.int64)])
         start = np.concatenate([t.start for t in tables] + [np.array([r.offset for r in obj], dtype=np.int64)])
         length = np.concatenate([t.length for t in tables] + [np.array([r.length for r in obj], dtype=np.int64)])
         # owner >= 0: the tensor's number; owner < 0: object -1 - owner

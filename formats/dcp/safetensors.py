@@ -23,16 +23,16 @@ exactly, which also catches the files ``save_distributed=False`` on several rank
 
 from __future__ import annotations
 
-
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from reshard.formats.safetensors.header import Header, read_header
 
 from reshard.boxes import Box, full_box, tiles_exactly
 from reshard.catalog import Chunk, TensorEntry
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
-from reshard.formats.safetensors.header import Header, read_header
 from reshard.regions import StoredRegion
 
 __all__ = ["SHARDING_KEY", "DCP_KEYS", "saved_offsets", "BlobChunk", "Blob", "read_blob", "shard_boxes", "assemble"]
@@ -94,7 +94,8 @@ def read_blob(path: Path, start: int, chunks: list[BlobChunk]) -> Blob:
     for c in chunks:
         t, saved = stored.get(c.name), offsets.get(c.name)
         if t is None:
-            raise CorruptCheckpointError(f"{where}: .metadata places chunk {c.box.offsets} of {c.name!r} here, but it holds no {c.name!r}")
+            raise CorruptCheckpointError(f"{where}: .metadata places chunk {c.box.offsets} of {c.name!r} here, but it holds no "
+                                         f"{c.name!r}")
         if saved is None:
             raise CorruptCheckpointError(f"{where}: {SHARDING_KEY} gives no saved_offsets for {c.name!r}")
         if saved != c.box.offsets or c.name in claimed:
@@ -129,7 +130,8 @@ def shard_boxes(file: Path, header: Header) -> dict[str, Box] | None:
     for t in header.tensors:
         at = offsets.pop(t.name, None)
         if at is None or len(at) != len(t.shape):
-            raise CorruptCheckpointError(f"{file}: {SHARDING_KEY} gives {at} as the offsets of {t.name!r}, of shape {list(t.shape)}")
+            raise CorruptCheckpointError(f"{file}: {SHARDING_KEY} gives {at} as the offsets of {t.name!r}, of shape "
+                                         f"{list(t.shape)}")
         boxes[t.name] = Box(at, t.shape)
     if offsets:
         raise CorruptCheckpointError(f"{file}: {SHARDING_KEY} names {next(iter(offsets))!r}, which the file does not hold")

@@ -31,11 +31,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from reshard.formats.torch.zip import _TorchZipReader, materialize
+from reshard.formats.torch.zip_index import ZipIndex
+
 from reshard.boxes import Box
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.torch.zip import _TorchZipReader, materialize
-from reshard.formats.torch.zip_index import ZipIndex
 from reshard.regions import StoredRegion, c_strides, read_exact
 from reshard.storage import close, open_read
 

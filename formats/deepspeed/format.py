@@ -27,17 +27,26 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from reshard.formats.deepspeed.files import ZeroFiles, check_world, is_universal_folder, is_zero_folder, resolve_tag, zero_files
+from reshard.formats.deepspeed.flat import FlatBuffer, fragment_chunks
+from reshard.formats.deepspeed.state import (
+    LAYOUT_KEYS,
+    add_objects,
+    add_tensor,
+    field_of,
+    flat_partition,
+    load_state,
+    plain,
+    scalar_data,
+)
+from reshard.formats.deepspeed.zero import ZeroParam, split_concatenated, zero3_params, zero12_params
+
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk
 from reshard.errors import CorruptCheckpointError, ReshardError, UnsupportedFormatError, UsageError
-from reshard.formats.deepspeed.files import ZeroFiles, check_world, is_universal_folder, is_zero_folder, resolve_tag, zero_files
-from reshard.formats.deepspeed.state import (LAYOUT_KEYS, add_objects, add_tensor, field_of, flat_partition,
-                                             load_state, plain, scalar_data)
-from reshard.formats.deepspeed.zero import ZeroParam, split_concatenated, zero3_params, zero12_params
-from reshard.formats.deepspeed.flat import FlatBuffer, fragment_chunks
-from reshard.safe_pickle.inert import Inert
-from reshard.regions import StoredRegion
 from reshard.options import ConvertOptions
+from reshard.regions import StoredRegion
+from reshard.safe_pickle.inert import Inert
 
 __all__ = ["DeepSpeedFormat"]
 

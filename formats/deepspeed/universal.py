@@ -16,11 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from reshard.formats.deepspeed.state import LAYOUT_KEYS, add_objects, add_tensor, field_of, load_state, plain, scalar_data
+from reshard.formats.torch.file import read_torch_file
+
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError
-from reshard.formats.deepspeed.state import LAYOUT_KEYS, add_objects, add_tensor, field_of, load_state, plain, scalar_data
-from reshard.formats.torch.file import read_torch_file
 from reshard.regions import StoredRegion
 
 __all__ = ["read_universal"]

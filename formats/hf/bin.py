@@ -20,12 +20,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from reshard.formats.safetensors.format import _CONFIGS, _check_against_index, _indexed_files, _load_json
+from reshard.formats.torch.file import read_torch_file
+from reshard.formats.torch.save import add_leaves, flatten_tree
+from reshard.formats.torch.zip import DTensorRef
+
 from reshard.catalog import Catalog, ObjectTable
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
-from reshard.formats.safetensors.format import _CONFIGS, _check_against_index, _indexed_files, _load_json
-from reshard.formats.torch.save import add_leaves, flatten_tree
-from reshard.formats.torch.file import read_torch_file
-from reshard.formats.torch.zip import DTensorRef
 from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR
 

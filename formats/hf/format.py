@@ -16,16 +16,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-
-from reshard.catalog import Catalog, Target
-from reshard.storage import RemotePath
-from reshard.architecture import require_architecture
-from reshard.errors import UsageError
 from reshard.formats.hf.files import export_config, model_card, write_json
-from reshard.pieces import OutputFile
 from reshard.formats.safetensors.format import SafetensorsFormat, SafetensorsWriter
-from reshard.sizes import parse_size
+
+from reshard.architecture import require_architecture
+from reshard.catalog import Catalog, Target
+from reshard.errors import UsageError
 from reshard.options import ConvertOptions, named
+from reshard.pieces import OutputFile
+from reshard.sizes import parse_size
+from reshard.storage import RemotePath
 
 __all__ = ["HFFormat", "HFWriter"]
 

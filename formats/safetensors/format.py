@@ -19,22 +19,23 @@ greedy shard split, same index), so tools that read theirs read ours.
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path, PureWindowsPath
 from typing import Any
 
+from reshard.formats.dcp.safetensors import DCP_KEYS, assemble, shard_boxes
+from reshard.formats.safetensors.header import MAX_HEADER_SIZE, file_order, header_bytes, read_header, unstorable
+from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
+
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, NestedPath, Target
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
-from reshard.formats.dcp.safetensors import DCP_KEYS, assemble, shard_boxes
+from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile, Piece
-from reshard.formats.safetensors.header import MAX_HEADER_SIZE, file_order, header_bytes, read_header, unstorable
-from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
-from reshard.options import ConvertOptions
 
 __all__ = ["SafetensorsFormat", "SafetensorsWriter", "INDEX_NAME", "OBJECTS_KEY", "PATHS_KEY"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reshard.errors import CorruptCheckpointError
-from reshard.safe_pickle.inert import Sealed
 from reshard.regions import StoredRegion
+from reshard.safe_pickle.inert import Sealed
 
 __all__ = ["Record", "DTensorRef", "DTENSOR_CLASSES", "record_class", "dtensor_ref"]
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reshard.errors import UnsupportedFormatError
 from reshard.formats.torch.legacy import is_tar, read_legacy
 from reshard.formats.torch.zip import read_torch_zip_deferred
+
+from reshard.errors import UnsupportedFormatError
 from reshard.regions import read_exact
 from reshard.safe_pickle.unpickler import Unpickled
 from reshard.storage import RemotePath, close, handle_size, open_read

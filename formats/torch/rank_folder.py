@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from reshard.catalog import Catalog
-from reshard.errors import CheckpointNotFoundError, ReshardError, UnsafeCheckpointError
 from reshard.formats.torch.ranks import first_refused, one_set, rank_files, read_set, read_trees
 from reshard.formats.torch.ranks_write import TorchRanksWriter
 from reshard.formats.verl import read_verl, verl_sets
+
+from reshard.catalog import Catalog
+from reshard.errors import CheckpointNotFoundError, ReshardError, UnsafeCheckpointError
 from reshard.options import ConvertOptions
 
 __all__ = ["TorchRanksFormat"]

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.ranks_write import (
     LAYOUT_KEY,
     read_layout_files,
@@ -30,7 +31,6 @@ from reshard.formats.torch.save import (
     flatten_tree,
     leaf_loader,
 )
-from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.zip import DTensorRef, Record
 
 from reshard.boxes import Box, full_box, tiles_exactly

@@ -15,7 +15,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-from reshard.pieces import OutputFile, Piece
 from reshard.formats.torch.save import (
     CONTAINERS_ATTR,
     FlatTree,
@@ -29,6 +28,7 @@ from reshard.boxes import Box, tiles_exactly
 from reshard.catalog import Catalog, Chunk, ObjectTable, Target, TensorEntry
 from reshard.errors import CorruptCheckpointError, UsageError
 from reshard.mesh.sharding import format_placement, parse_placement, rank_coordinate, shard_box
+from reshard.pieces import OutputFile, Piece
 from reshard.regions import StoredRegion
 
 __all__ = ["LAYOUT_KEY", "TorchRanksWriter", "read_layout_files"]

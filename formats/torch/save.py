@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from reshard.pieces import OutputFile, Piece, Segment
 from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.zip import DTensorRef, Record, materialize
 from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_segments
@@ -44,13 +43,14 @@ from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_
 from reshard.boxes import full_box
 from reshard.catalog import Catalog, Chunk, NestedPath, ObjectTable, Target, TensorEntry
 from reshard.errors import UnsafeCheckpointError, UnsupportedFormatError, UsageError
-from reshard.storage import as_location
-from reshard.safe_pickle.inert import is_refused, refused_name
-from reshard.safe_pickle.walk import find_in
-from reshard.regions import StoredRegion
-from reshard.safe_pickle.unpickler import Unpickled, refusal_message
-from reshard.structure import CONTAINERS_ATTR
 from reshard.options import ConvertOptions
+from reshard.pieces import OutputFile, Piece, Segment
+from reshard.regions import StoredRegion
+from reshard.safe_pickle.inert import is_refused, refused_name
+from reshard.safe_pickle.unpickler import Unpickled, refusal_message
+from reshard.safe_pickle.walk import find_in
+from reshard.storage import as_location
+from reshard.structure import CONTAINERS_ATTR
 
 __all__ = [
     "CONTAINERS_ATTR",

@@ -25,15 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.formats.torch.dtensor import DTENSOR_CLASSES, DTensorRef, Record, dtensor_ref, record_class
 from reshard.formats.torch.zip_index import ZipIndex
+
 from reshard import dtypes
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.safe_pickle.inert import Inert, Refused, Sealed, inert_name, is_refused
-from reshard.safe_pickle.walk import find_in, path_to, replace_in
-from reshard.safe_pickle.value_types import VALUE_GLOBALS
 from reshard.regions import StoredRegion
-from reshard.storage import Handle, close, handle_size, open_read
+from reshard.safe_pickle.inert import Inert, Refused, Sealed, inert_name, is_refused
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads, safe_loads_deferred
+from reshard.safe_pickle.value_types import VALUE_GLOBALS
+from reshard.safe_pickle.walk import find_in, path_to, replace_in
+from reshard.storage import Handle, close, handle_size, open_read
 
 if TYPE_CHECKING:
     import torch

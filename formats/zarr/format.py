@@ -31,22 +31,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
-
-from reshard.catalog import Catalog, Chunk, Target, TensorEntry
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from reshard.pieces import OutputFile
-from reshard.sizes import plural
 from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 from reshard.formats.torch.zip import load_object_blob
+from reshard.formats.torch.zip_write import torch_save_bytes
 from reshard.formats.zarr.chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress
 from reshard.formats.zarr.grid import ArrayLayout, chunk_segments, plan_arrays
 from reshard.formats.zarr.meta import MAX_JSON_SIZE, ZARR_JSON, array_meta_json, group_meta_json, parse_array_meta, parse_json
-from reshard.storage import RemotePath
 from reshard.formats.zarr.store import LocalStore, Store, open_store
-from reshard.formats.torch.zip_write import torch_save_bytes
-from reshard.regions import StoredRegion
-from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+
+from reshard.catalog import Catalog, Chunk, Target, TensorEntry
+from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from reshard.options import ConvertOptions
+from reshard.pieces import OutputFile
+from reshard.regions import StoredRegion
+from reshard.sizes import plural
+from reshard.storage import RemotePath
+from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
 
 __all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "seal_chunk", "OBJECTS_FILE"]
 

@@ -14,16 +14,17 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from reshard.formats.zarr.chunks import compress as zstd
+from reshard.formats.zarr.format import ZarrWriter, write_metadata
+from reshard.formats.zarr.meta import ZARR_JSON
+from reshard.formats.zarr.store import RemoteStore
+
 from reshard.catalog import Target
 from reshard.errors import OutputExistsError, option
 from reshard.gc_pause import without_gc
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile
 from reshard.remote_output import slabs_of
-from reshard.formats.zarr.format import ZarrWriter, write_metadata
-from reshard.formats.zarr.chunks import compress as zstd
-from reshard.formats.zarr.meta import ZARR_JSON
-from reshard.formats.zarr.store import RemoteStore
 from reshard.storage import forget_cached
 
 __all__ = ["write_url"]

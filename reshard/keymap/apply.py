@@ -17,8 +17,8 @@ from reshard.boxes import Box
 from reshard.catalog import Catalog, Chunk, NestedPath, ObjectTable, TensorEntry, object_loader
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Place, detect_layout, rename_path
 from reshard.errors import UsageError
-from reshard.sizes import plural
 from reshard.keymap.chunks import gathered_entry, index_chunks, part_chunks, rope_rows, shifted_chunks, stacked_chunks
+from reshard.sizes import plural
 
 __all__ = ["INDEX", "Route", "Router", "apply_keymap"]
 

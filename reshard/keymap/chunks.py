@@ -11,9 +11,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from reshard.boxes import Box, full_box
 from reshard.catalog import Chunk, ChunkData, TensorEntry

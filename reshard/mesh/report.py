@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from reshard.catalog import Catalog, Target
-from reshard.mesh.target import mesh_target, uneven_dims
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
+from reshard.mesh.target import mesh_target, uneven_dims
 from reshard.sizes import format_size, plural
 
 __all__ = ["mesh_summary", "mesh_table", "rank_ranges", "summarize_for_mesh"]
@@ -101,8 +101,8 @@ def mesh_table(summary: dict[str, Any]) -> str:
 
 
 def summarize_for_mesh(catalog: Catalog, spec: str, placements: str | None) -> dict[str, Any]:
-    from reshard.mesh.sharding import parse_mesh
     from reshard.mesh.placements import load_placement_plan
+    from reshard.mesh.sharding import parse_mesh
 
     mesh = parse_mesh(spec)
     layout = detect_layout(catalog)

@@ -35,12 +35,12 @@ import torch.distributed as dist
 from reshard import errors
 from reshard.catalog import Catalog, ObjectTable, object_loader
 from reshard.errors import ReshardError, UsageError
-from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
-from reshard.runtime.targets import Slot, make_slots, storage_aliases
-from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
 from reshard.log import log_notices
 from reshard.parallel import world
 from reshard.progress import Progress
+from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
+from reshard.runtime.targets import Slot, make_slots, storage_aliases
+from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
 from reshard.sizes import format_size, parse_size, plural, preview
 
 __all__ = ["load_model", "load_state_dict", "LoadResult", "StateDictMismatchError", "MODES"]

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from reshard.boxes import Box, c_order_slabs
-from reshard.dtypes import DType
 from reshard.catalog import TensorEntry
+from reshard.dtypes import DType
 from reshard.engine import fill_from_sources
-from reshard.plan import sources_for
 from reshard.fd_pool import FdPool
+from reshard.plan import sources_for
 from reshard.progress import Progress
 from reshard.runtime.plan import LoadPlan
 from reshard.runtime.targets import Slot

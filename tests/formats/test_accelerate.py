@@ -14,7 +14,8 @@ import torch
 
 import reshard
 from tests.dist import run_world
-from tests.test_cli import assert_one_line_error, reshard as run_cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as run_cli
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from reshard.formats.dcp.format import DCPFormat
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
-from reshard.formats.dcp.format import DCPFormat
 from tests.fixtures import full_tensor
 
 
@@ -175,7 +175,6 @@ def test_chunk_tables_at_once_equal_tables_one_by_one(fsdp2_dcp) -> None:
     what ``table`` gives tensor by tensor, on FSDP2's own 3-rank save, including a tensor whose
     records contradict its chunks, which it hands to ``table``'s general path."""
     import numpy as np
-
     from reshard.formats.dcp import metadata as M
 
     root = fsdp2_dcp[0]

@@ -18,7 +18,12 @@ def test_torch_reads_our_metadata_as_its_own(fsdp2_dcp, tmp_path: Path) -> None:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorProperties,
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        StorageMeta,
+        TensorProperties,
         TensorStorageMetadata,
     )
 
@@ -60,14 +65,14 @@ def test_metadata_of_many_chunks_says_where_each_record_is(tmp_path: Path, monke
     record where the files the writer laid out have them."""
     import random
 
+    from reshard.formats.dcp import metadata_write
+    from reshard.formats.dcp.format import DCPWriter
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
     from reshard import dtypes
     from reshard.boxes import Box
     from reshard.catalog import Catalog, Chunk, TensorEntry
-    from reshard.formats.dcp import metadata_write
-    from reshard.formats.dcp.format import DCPWriter
     from reshard.mesh.placements import load_placement_plan
     from reshard.mesh.sharding import parse_mesh
     from reshard.mesh.target import mesh_target

@@ -18,14 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from reshard.formats.dcp.format import DCPFormat
+from reshard.formats.registry import detect_format
 
 import reshard
 from reshard.boxes import Box
 from reshard.catalog import ObjectTable
-from reshard.formats.dcp.format import DCPFormat
-from reshard.formats.registry import detect_format
 from tests.dcp_variants import MULTICHUNK_FULL, source_state_dict, write_variants
-from tests.test_cli import assert_one_line_error, reshard as cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as cli
 
 # variant -> the variant whose dcp_to_torch_save output is the reference (itself when torch reads it right)
 TORCH_REFERENCE = {

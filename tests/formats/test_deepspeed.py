@@ -16,16 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from reshard.formats.deepspeed.zero import zero3_params, zero12_params
 from safetensors.torch import load_file
 
 import reshard
 from reshard.boxes import full_box
 from reshard.conventions import OPTIM_GROUP, OTHER, PARAM, detect_layout
 from reshard.errors import CorruptCheckpointError
-from reshard.formats.deepspeed.zero import zero3_params, zero12_params
 from reshard.keymap.chunks import read_box
 from tests.schema import check
-from tests.test_cli import assert_one_line_error, reshard as cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as cli
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "deepspeed"
 ZERO3, ZERO2, UNIVERSAL, ODD = "zero3_bf16", "zero2_bf16", "zero3_bf16_universal", "zero3_fp32_3ranks"

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from reshard.formats.deepspeed.flat import FlatBuffer, flat_boxes, fragment_chunks
 
 from reshard.boxes import Box, contiguous_range, tiles_exactly
-from reshard.errors import CorruptCheckpointError
-from reshard.formats.deepspeed.flat import FlatBuffer, flat_boxes, fragment_chunks
-from reshard.keymap.chunks import read_box
 from reshard.catalog import TensorEntry
+from reshard.errors import CorruptCheckpointError
+from reshard.keymap.chunks import read_box
 from reshard.regions import StoredRegion
 
 

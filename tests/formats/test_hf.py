@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 import reshard
 from tests.hf_models import hf_logits, save_tiny_llama
-from tests.test_cli import assert_one_line_error, reshard as run_cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as run_cli
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])

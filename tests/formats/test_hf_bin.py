@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
+from reshard.formats.registry import detect_format, get_format
 from safetensors.torch import save_file
 
 import reshard
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UsageError
-from reshard.formats.registry import detect_format, get_format
 from tests.hf_models import hf_logits, save_tiny_llama
 
 

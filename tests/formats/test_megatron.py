@@ -16,12 +16,13 @@ import reshard
 from reshard.boxes import full_box
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, detect_layout
 from reshard.errors import UsageError
-from reshard.keymap.lookup import load_keymap
 from reshard.keymap.chunks import read_box
+from reshard.keymap.lookup import load_keymap
 from tests.dist import run_world
-from tests.schema import check
 from tests.hf_models import assert_checked, assert_refused_without_keymap
-from tests.test_cli import assert_one_line_error, reshard as cli
+from tests.schema import check
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as cli
 
 ROOT = Path(__file__).resolve().parents[1] / "data" / "megatron" / "gpt_tp2"
 ITER = ROOT / "iter_0000002"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
+from reshard.formats.safetensors.format import INDEX_NAME, SafetensorsFormat
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -18,7 +19,6 @@ from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from reshard.options import ConvertOptions
-from reshard.formats.safetensors.format import INDEX_NAME, SafetensorsFormat
 from tests.formats.safetensors_cases import BROKEN, raw_file, reference, same, whole_target, write_layout
 
 FMT = SafetensorsFormat()

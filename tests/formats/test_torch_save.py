@@ -10,26 +10,27 @@ from typing import Any
 
 import pytest
 import torch
+from reshard.formats.registry import detect_format
+from reshard.formats.torch import ranks as torch_ranks
+from reshard.formats.torch.rank_folder import TorchRanksFormat
+from reshard.formats.torch.ranks import rank_files
+from reshard.formats.torch.save import TorchSaveFormat, TorchSaveWriter, build_tree, flatten_tree
+from reshard.formats.torch.zip import DTensorRef, Record
 from safetensors.torch import save_file
 
 import reshard
 from reshard.boxes import Box
 from reshard.catalog import Catalog, Target
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError, UsageError
-from reshard.formats.torch import ranks as torch_ranks
-from reshard.formats.registry import detect_format
-from reshard.formats.torch.rank_folder import TorchRanksFormat
-from reshard.formats.torch.ranks import rank_files
 from reshard.mesh.sharding import shard_box
-from reshard.formats.torch.save import TorchSaveFormat, TorchSaveWriter, build_tree, flatten_tree
-from reshard.formats.torch.zip import DTensorRef, Record
 from reshard.plan import full_target
 from reshard.regions import StoredRegion
 from tests.dist import run_world
 from tests.fixtures import TinyNet, full_tensor, onto, save_editing_refs
 from tests.formats.test_dcp import _Evil
 from tests.formats.test_torch_zip import _write
-from tests.test_cli import assert_one_line_error, reshard as cli
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as cli
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -623,7 +624,8 @@ def test_objects_nobody_allowed_fail_only_when_asked_for(tmp_path: Path) -> None
     conversion still refuse it, naming the file and the class, and nothing runs."""
     import collections
 
-    from tests.test_cli import assert_one_line_error, reshard as run_cli
+    from tests.test_cli import assert_one_line_error
+    from tests.test_cli import reshard as run_cli
     from tests.test_hostile import _Popen
 
     marker = tmp_path / "pwned"
@@ -671,6 +673,7 @@ def test_allowed_classes_round_trip_under_their_own_names(tmp_path: Path) -> Non
 
     from reshard.formats.torch.zip import load_object_blob
     from reshard.formats.torch.zip_write import torch_save_bytes
+
     from reshard.safe_pickle.inert import Inert
     from reshard.safe_pickle.unpickler import allow_classes
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from reshard.formats.torch.zip import read_torch_zip
+from reshard.formats.torch.zip_write import PieceRef, torch_save_segments
 
 from reshard.boxes import full_box
 from reshard.pieces import Piece
-from reshard.formats.torch.zip import read_torch_zip
-from reshard.formats.torch.zip_write import PieceRef, torch_save_segments
 from reshard.regions import StoredRegion
 
 
@@ -87,9 +87,9 @@ def test_objects_keep_their_types_when_tensors_inside_are_read_or_stored(tmp_pat
     import collections
 
     import numpy as np
-
     from reshard.formats.torch.zip import load_object_blob, materialize
     from reshard.formats.torch.zip_write import torch_save_bytes
+
     from reshard.values import difference
 
     cells = np.empty(2, dtype=object)

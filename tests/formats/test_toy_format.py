@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from reshard.formats import registry
+from reshard.formats.registry import FormatEntry, register_format
 from safetensors.torch import load_file
 
 import reshard
 from reshard.cli import main
-from reshard.formats import registry
-from reshard.formats.registry import FormatEntry, register_format
 
 
 @pytest.fixture

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
+from reshard.formats.zarr.format import ZarrFormat, ZarrWriter
 
 import reshard
 from reshard.boxes import Box
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.formats.zarr.format import ZarrFormat, ZarrWriter
 from tests.fixtures import full_tensor
 
 zarr = pytest.importorskip("zarr")
@@ -101,8 +101,9 @@ def test_hostile_compressed_chunks(tmp_path: Path) -> None:
 def test_compression_without_numcodecs_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from reshard.errors import UsageError
     from reshard.formats.zarr.chunks import compress
+
+    from reshard.errors import UsageError
 
     monkeypatch.setitem(sys.modules, "numcodecs", None)  # as if zarr-python were not installed
     with pytest.raises(UsageError, match=r"pip install numcodecs"):
@@ -151,8 +152,9 @@ def test_compressed_chunks_fit_the_memory_budget(tmp_path: Path) -> None:
 def test_fill_values_are_the_bytes_torch_makes_of_them(name: str, value: object, imag: float) -> None:
     """``fill_bytes`` converts without torch where numpy rounds as torch does; whatever the
     path, the bytes are torch's own for that value, and what does not fit is refused."""
-    from reshard import dtypes
     from reshard.formats.zarr.meta import fill_bytes
+
+    from reshard import dtypes
 
     dtype = dtypes.by_name(name)
     json_value = [value, imag] if dtype.is_complex else value

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reshard.formats.zarr.format import ZarrWriter
+from reshard.formats.zarr.grid import chunk_segments, default_chunk_shape
 
 import reshard
 from reshard.boxes import Box, full_box
 from reshard.catalog import Target, TargetTensor
 from reshard.engine import Engine
 from reshard.pieces import Piece
-from reshard.formats.zarr.format import ZarrWriter
-from reshard.formats.zarr.grid import chunk_segments, default_chunk_shape
 from reshard.plan import make_plan
 
 ts = pytest.importorskip("tensorstore")

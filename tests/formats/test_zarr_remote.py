@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reshard.formats.zarr import remote as zarr_remote
 
 import reshard
 from reshard.errors import OutputExistsError, UsageError
-from reshard.formats.zarr import remote as zarr_remote
 
 zarr = pytest.importorskip("zarr")
 fsspec = pytest.importorskip("fsspec")

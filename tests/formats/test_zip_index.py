@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from reshard.formats.torch.zip_index import ZipIndex
 
 from reshard.errors import CorruptCheckpointError
-from reshard.formats.torch.zip_index import ZipIndex
 
 
 def _index(path: Path, start: int = 0, length: int | None = None) -> ZipIndex:
