@@ -13,8 +13,9 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
+from typing import TextIO
 
-__all__ = ["LOGGER", "log_notices", "to_stderr", "quiet"]
+__all__ = ["LOGGER", "log_notices", "to_stream", "to_stderr", "quiet"]
 
 LOGGER = logging.getLogger("reshard")
 LOGGER.addHandler(logging.NullHandler())
@@ -26,20 +27,26 @@ def log_notices(notices: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def to_stderr(level: int = logging.INFO) -> Iterator[None]:
-    """For the command line: the logger's records on stderr as plain lines, for one command."""
-    handler = logging.StreamHandler(sys.stderr)
+def to_stream(stream: TextIO, level: int = logging.INFO, logger: logging.Logger = LOGGER) -> Iterator[None]:
+    """``logger``'s records on ``stream`` as plain lines, while the block runs: for a process's
+    entry point (the command line, a training launch), never the library itself."""
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    saved = LOGGER.level, LOGGER.propagate
-    LOGGER.addHandler(handler)
-    LOGGER.setLevel(level)
-    LOGGER.propagate = False  # the command owns stderr: no second copy through the root logger
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False  # the entry point owns the stream: no second copy through a parent logger
     try:
         yield
     finally:
-        LOGGER.removeHandler(handler)
-        LOGGER.setLevel(saved[0])
-        LOGGER.propagate = saved[1]
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def to_stderr(level: int = logging.INFO) -> contextlib.AbstractContextManager[None]:
+    """For the command line: the ``reshard`` logger's records on stderr, for one command."""
+    return to_stream(sys.stderr, level)
 
 
 def quiet() -> None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from reshard import errors
 from reshard.errors import ReshardError, UsageError
+from reshard.log import to_stream
 from reshard.train.checkpoint import latest_checkpoint
 from reshard.train.loop import TRAIN_LOG, TrainConfig, TrainResult, check_config, train
 
@@ -103,18 +104,8 @@ def _log_on_stdout(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    saved = TRAIN_LOG.level, TRAIN_LOG.propagate
-    TRAIN_LOG.addHandler(handler)
-    TRAIN_LOG.setLevel(logging.INFO)
-    TRAIN_LOG.propagate = False
-    try:
+    with to_stream(sys.stdout, logging.INFO, TRAIN_LOG):
         yield
-    finally:
-        TRAIN_LOG.removeHandler(handler)
-        TRAIN_LOG.setLevel(saved[0])
-        TRAIN_LOG.propagate = saved[1]
 
 
 def train_json(cfg: TrainConfig) -> dict[str, Any]:
