@@ -247,11 +247,9 @@ def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOp
 
 
 def check_output_options(dst: Path, to: str, opts: ConvertOptions) -> None:
-    """Refuse option combinations that would be silently ignored or produce a surprise: a
-    format-specific option its format does not take (``FormatEntry.options``), a sharded
-    safetensors output named as one file (what needs no output is checked when the options are
-    built: ``ConvertOptions``)."""
-    _refuse_options_not_taken(to, opts, opts.format_options_set())
+    """Refuse what only DST shows to be a surprise: a sharded output named as one file. (Options
+    its format does not take were refused by ``build_target`` before anything was read; what
+    needs no output, when the options were built: ``ConvertOptions``.)"""
     entry = format_entry(to)
     if opts.shard_bytes is not None and entry.file_output and dst.suffix in entry.suffixes:
         raise UsageError(f"{dst}: a sharded {to} output is a folder (shards + index); give DST without "
