@@ -105,7 +105,11 @@ def test_a_bar_on_a_terminal_that_reports_no_size(monkeypatch: pytest.MonkeyPatc
             for _ in range(4):
                 bar.update(250)
         stream.flush()
-        text = os.read(leader, 1 << 16).decode() if select.select([leader], [], [], 5)[0] else ""
+        chunks, wait = [], 5.0  # a pty hands over what was written in pieces: read until it has no more
+        while select.select([leader], [], [], wait)[0]:
+            chunks.append(os.read(leader, 1 << 16))
+            wait = 0.5
+        text = b"".join(chunks).decode()
     finally:
         os.close(leader)
         os.close(follower)
