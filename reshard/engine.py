@@ -27,14 +27,13 @@ from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from reshard import dtypes, gather
+from reshard import gather
+from reshard.assemble import as_bytes, assemble_any, contiguous_in, moves_bytes
 from reshard.boxes import Box, c_order_slabs, contiguous_range
 from reshard.byte_runs import Gathered
-from reshard.catalog import ArrayChunkData, ChunkData
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError, UsageError, option
 from reshard.fd_pool import FdPool
@@ -43,24 +42,11 @@ from reshard.manifest import FileDigest, file_digest
 from reshard.pieces import OutputFile, Piece
 from reshard.plan import Plan, Source
 from reshard.progress import Progress
-from reshard.regions import (
-    BAND_BYTES,
-    StoredRegion,
-    array_run,
-    as_array,
-    as_region,
-    bytes_of_run,
-    fill_in_bands,
-    read_exact,
-    read_in_place,
-)
+from reshard.regions import StoredRegion, as_region, read_exact
 from reshard.sizes import format_size
-from reshard.storage import RemotePath, close, open_read
+from reshard.storage import RemotePath
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["Engine", "EngineStats", "assemble", "assemble_bytes", "moves_bytes", "fill_from_sources"]
+__all__ = ["Engine", "EngineStats", "REMOTE_WORKERS"]
 
 _KERNEL_STEP = 1 << 30
 _FALLBACK_STEP = 8 << 20
@@ -79,146 +65,6 @@ class EngineStats:
         with self._lock:
             self.kernel_bytes += kernel
             self.buffered_bytes += buffered
-
-
-def _read_part(data: ChunkData, box: Box, fds: FdPool | None, into: torch.Tensor | None = None) -> torch.Tensor:
-    """``box`` of a chunk; ``into``: uint8 scratch a box stored as one run may be read into."""
-    region = as_region(data) if fds is not None else None
-    if region is not None and fds is not None:
-        with fds.use(region.path) as fd:
-            return region.read_from(fd, box, into)
-    return data.read(box)
-
-
-def _stored_dtype(src: Source) -> DType | None:
-    region = as_region(src.chunk.data)
-    return None if region is None else region.dtype
-
-
-def _buffer(into: torch.Tensor | None, sizes: tuple[int, ...], dtype: DType) -> torch.Tensor:
-    """A tensor of ``sizes`` and ``dtype`` in ``into`` (uint8 scratch) when given, else new."""
-    import torch
-
-    nbytes = math.prod(sizes) * dtype.itemsize
-    if into is None or into.numel() < nbytes:
-        return torch.empty(sizes, dtype=dtype.torch)
-    return into[:nbytes].view(dtype.torch).view(sizes)
-
-
-def _byte_source(data: ChunkData) -> StoredRegion | ArrayChunkData | None:
-    """What gives ``data``'s bytes as they are: its file region, or the data itself when it
-    reads arrays of its dtype's width (``read_array``: a decoded zarr chunk); else None."""
-    region = as_region(data)
-    if region is not None:
-        return region
-    return cast(ArrayChunkData, data) if callable(getattr(data, "read_array", None)) else None
-
-
-def moves_bytes(dtype: DType, sources: list[Source]) -> bool:
-    """Whether every source is stored bytes of ``dtype`` (no cast, nothing to compute): then
-    the piece is assembled by ``assemble_bytes``, without torch."""
-    return all((b := _byte_source(s.chunk.data)) is not None and b.dtype is dtype for s in sources)
-
-
-def _array_buffer(into: np.ndarray | None, sizes: tuple[int, ...], dtype: DType) -> np.ndarray:
-    """``_buffer`` as an array of ``dtype.bytes_dtype``."""
-    nbytes = math.prod(sizes) * dtype.itemsize
-    if into is None or into.size < nbytes:
-        return np.empty(sizes, dtype=dtype.bytes_dtype)
-    return into[:nbytes].view(dtype.bytes_dtype).reshape(sizes)
-
-
-def _read_array_part(data: ChunkData, box: Box, fds: FdPool | None, into: np.ndarray | None) -> np.ndarray:
-    region = as_region(data)
-    if region is None:
-        return cast(ArrayChunkData, data).read_array(box)  # moves_bytes said it can
-    if fds is None:
-        fd = open_read(region.path)
-        try:
-            return region.read_array(fd, box, into)
-        finally:
-            close(fd)
-    with fds.use(region.path) as fd:
-        return region.read_array(fd, box, into)
-
-
-def assemble_bytes(piece_box: Box, dtype: DType, sources: list[Source], fds: FdPool | None = None,
-                   into: np.ndarray | None = None) -> np.ndarray:
-    """``assemble`` where ``moves_bytes`` holds: ``piece_box``'s bytes as an array of
-    ``dtype.bytes_dtype`` (maybe a strided view of a read, or a view of ``into``, uint8
-    scratch). Byte copies between files need no torch: numpy moves them as torch would."""
-    if len(sources) == 1 and sources[0].box.intersect(piece_box) == piece_box:
-        src = sources[0]
-        return _read_array_part(src.chunk.data, piece_box.shifted(src.chunk.box.offsets), fds, into)
-    out = _array_buffer(into, piece_box.sizes, dtype)
-    for src in sources:
-        part = src.box.intersect(piece_box)
-        if part is None:
-            continue
-        local = part.shifted(piece_box.offsets)
-        dest = array_run(out, local)
-        data = _read_array_part(src.chunk.data, part.shifted(src.chunk.box.offsets), fds, dest)
-        if dest is None or not data.size or data.ctypes.data != dest.ctypes.data:  # not read in place
-            out[local.as_slices()] = data
-    return out
-
-
-_CAST_BAND_BYTES = BAND_BYTES  # stored bytes read per step of a cast
-
-
-def _cast_in_bands(src: Source, stored: DType, piece_box: Box, fds: FdPool | None,
-                   out: torch.Tensor) -> torch.Tensor:
-    """``piece_box`` of one source cast into ``out``, read a band at a time: one read of the
-    whole slab in its stored dtype would be fresh pages, faulted in and zeroed."""
-    offsets = src.chunk.box.offsets
-    return fill_in_bands(out, piece_box, stored.itemsize, _CAST_BAND_BYTES,
-                         lambda band: _read_part(src.chunk.data, band.shifted(offsets), fds))
-
-
-def assemble(piece_box: Box, dtype: DType | torch.dtype, sources: list[Source], fds: FdPool | None = None,
-             into: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensor for ``piece_box`` (global coordinates) in ``dtype``, read from ``sources``.
-    A box that one source holds whole is returned as read (in ``dtype``; maybe a strided view
-    or a source's own tensor: callers copy it out and never write to it), not copied again.
-
-    ``into``: scratch memory (uint8, at least the box's bytes) the result may be built in,
-    so a worker reuses one buffer instead of faulting in fresh pages per slab; the result
-    may then be a view of it."""
-    dtype = dtypes.of(dtype)
-    if len(sources) == 1 and sources[0].box.intersect(piece_box) == piece_box:
-        src = sources[0]
-        compute = getattr(src.chunk.data, "read_into", None)
-        if compute is not None and into is not None:  # computed values (dequantized) land in the slab itself
-            out = _buffer(into, piece_box.sizes, dtype)
-            compute(piece_box.shifted(src.chunk.box.offsets), out)
-            return out
-        stored = _stored_dtype(src)
-        if into is not None and stored is not None and stored != dtype:
-            return _cast_in_bands(src, stored, piece_box, fds, _buffer(into, piece_box.sizes, dtype))
-        direct = into if into is not None and stored == dtype else None
-        data = _read_part(src.chunk.data, piece_box.shifted(src.chunk.box.offsets), fds, direct)
-        if data.dtype == dtype.torch:
-            return data
-        return _buffer(into, piece_box.sizes, dtype).copy_(data)
-    return fill_from_sources(_buffer(into, piece_box.sizes, dtype), piece_box, sources, fds)
-
-
-def fill_from_sources(out: torch.Tensor, box: Box, sources: list[Source], fds: FdPool | None = None) -> torch.Tensor:
-    """Fill ``out`` (``box.sizes``, any dtype or device) with ``box`` (global coordinates)
-    from ``sources``, each part read on its own, so at most one part is held beside ``out``.
-    A part stored as one run that is one run of ``out`` (host memory of its dtype: a slab
-    buffer, a send buffer, a CPU parameter) is read straight into it; the rest are read and
-    copied over, cast on the way."""
-    for src in sources:
-        part = src.box.intersect(box)
-        if part is None:
-            continue
-        local = part.shifted(box.offsets)
-        dest = bytes_of_run(out, local, _stored_dtype(src))
-        data = _read_part(src.chunk.data, part.shifted(src.chunk.box.offsets), fds, dest)
-        if not read_in_place(data, dest):  # strided in its file, cast, or not a stored region
-            out[local.as_slices()] = data
-    return out
 
 
 def _kernel_copy(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int, src_path: Path) -> None:
@@ -268,14 +114,6 @@ def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-def _as_bytes(t: np.ndarray | torch.Tensor) -> memoryview:
-    """A C-contiguous array's or tensor's bytes."""
-    if not isinstance(t, np.ndarray):
-        t = as_array(t)
-    # the ignore: numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
-    return memoryview(t.reshape(-1).view(np.uint8)) if t.size else memoryview(b"")  # type: ignore[arg-type]
 
 
 def _write_literals(fd: int, f: OutputFile) -> None:
@@ -341,35 +179,8 @@ class _Scratch(threading.local):
         return self.buf[:nbytes]
 
 
-def _contiguous(t: np.ndarray | torch.Tensor, into: np.ndarray) -> np.ndarray | torch.Tensor:
-    """``t`` C-contiguous, copied into scratch ``into`` (uint8) when it is not already."""
-    if isinstance(t, np.ndarray):
-        if t.flags.c_contiguous:
-            return t
-        out = into[:t.nbytes].view(t.dtype).reshape(t.shape)
-        out[...] = t
-        return out
-    return t if t.is_contiguous() else _buffer(_tensor_of(into), tuple(t.shape), dtypes.of(t.dtype)).copy_(t)
-
-
 def _import_torch() -> None:
     import torch  # noqa: F401
-
-
-def _tensor_of(scratch: np.ndarray) -> torch.Tensor:
-    """uint8 scratch as a tensor for the torch path (same memory)."""
-    import torch
-
-    return torch.from_numpy(scratch)
-
-
-def _assemble(box: Box, dtype: DType, sources: list[Source], fds: FdPool, scratch: np.ndarray
-              ) -> np.ndarray | torch.Tensor:
-    """``box`` of a piece: its bytes moved by numpy when nothing needs casting or computing,
-    else built by torch (``assemble``)."""
-    if moves_bytes(dtype, sources):
-        return assemble_bytes(box, dtype, sources, fds, scratch)
-    return assemble(box, dtype, sources, fds, _tensor_of(scratch))
 
 
 _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs are cut from
@@ -498,7 +309,7 @@ class Engine:
             if self._stop.is_set():  # the run failed or was interrupted: no point finishing this piece
                 return
             parts = [s for s in sources if s.box.intersect(slab) is not None]
-            data = _as_bytes(_contiguous(_assemble(slab, piece.dtype, parts, fds, scratch), scratch))
+            data = as_bytes(contiguous_in(assemble_any(slab, piece.dtype, parts, fds, scratch), scratch))
             _pwrite_all(fd, data, at)
             at += data.nbytes
             stats.add(buffered=data.nbytes)
@@ -563,11 +374,11 @@ class Engine:
         for block in c_order_slabs(group.box, item, group.block_bytes):
             if self._stop.is_set():
                 return
-            data = _assemble(block, dtype, [s for s in sources if s.box.intersect(block) is not None], fds, rows)
+            data = assemble_any(block, dtype, [s for s in sources if s.box.intersect(block) is not None], fds, rows)
             for rel, off, piece in items:
                 cols = tuple(slice(o - b, o - b + n) for o, n, b in zip(piece.box.offsets[1:], piece.box.sizes[1:],
                                                                          block.offsets[1:]))
-                part = _as_bytes(_contiguous(data[(slice(None),) + cols], cols_buf))
+                part = as_bytes(contiguous_in(data[(slice(None),) + cols], cols_buf))
                 row_bytes = math.prod(piece.box.sizes[1:]) * item
                 with outs.use(paths[rel]) as fd:
                     _pwrite_all(fd, part, off + (block.offsets[0] - piece.box.offsets[0]) * row_bytes)

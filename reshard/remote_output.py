@@ -54,8 +54,8 @@ def slabs_of(segment: Any, plan: Any, slab_bytes: int) -> Iterator[memoryview]:
     if not isinstance(segment, Piece):
         yield memoryview(segment)
         return
+    from reshard.assemble import assemble
     from reshard.boxes import c_order_slabs
-    from reshard.engine import assemble
 
     sources = plan.sources[segment]
     for slab in c_order_slabs(segment.box, segment.dtype.itemsize, slab_bytes):

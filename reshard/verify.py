@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from reshard.assemble import assemble, assemble_bytes, moves_bytes
 from reshard.boxes import c_order_slabs, full_box
 from reshard.catalog import Catalog, TensorEntry
 from reshard.dtypes import DType, dtype_name
-from reshard.engine import assemble, assemble_bytes, moves_bytes
 from reshard.errors import UsageError, option
 from reshard.gc_pause import without_gc
 from reshard.plan import sources_for

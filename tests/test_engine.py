@@ -162,7 +162,7 @@ def test_slabs_are_read_into_each_workers_reused_buffer(tmp_path: Path, monkeypa
 def test_a_cast_reads_its_source_in_small_bands(tmp_path: Path, monkeypatch) -> None:
     """A cast slab is read a band at a time (reads stay below the mmap threshold, so they
     reuse heap memory instead of fresh pages) and is exact whether bands cut rows or not."""
-    import reshard.engine as engine_module
+    import reshard.assemble as assemble_module
     import reshard.regions as regions
 
     reads: list[int] = []
@@ -172,7 +172,7 @@ def test_a_cast_reads_its_source_in_small_bands(tmp_path: Path, monkeypatch) -> 
     t = torch.randn(23, 17)
     cat = _sharded_catalog(tmp_path, t, [23])
     for band in (40, 200, 1 << 20):  # part of a row, a few rows, the whole slab
-        monkeypatch.setattr(engine_module, "_CAST_BAND_BYTES", band)
+        monkeypatch.setattr(assemble_module, "_CAST_BAND_BYTES", band)
         reads.clear()
         out = tmp_path / f"out{band}"
         out.mkdir()

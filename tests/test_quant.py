@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reshard
+from reshard.assemble import assemble
 from reshard.boxes import Box, full_box
 from reshard.catalog import Catalog, Chunk, ChunkData, TensorEntry
 from reshard.convert import excluded
-from reshard.engine import assemble
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
 from reshard.keymap.chunks import read_box
 from reshard.plan import sources_for

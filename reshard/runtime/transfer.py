@@ -26,10 +26,10 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from reshard.assemble import fill_from_sources
 from reshard.boxes import Box, c_order_slabs
 from reshard.catalog import TensorEntry
 from reshard.dtypes import DType
-from reshard.engine import fill_from_sources
 from reshard.fd_pool import FdPool
 from reshard.plan import sources_for
 from reshard.progress import Progress
