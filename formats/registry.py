@@ -37,7 +37,8 @@ class FormatEntry:
     suffixes: tuple[str, ...] = ()  # a destination whose name ends so is this format
     default_suffix: str = ""  # of a default output name, for single-file outputs
     options: tuple[str, ...] = ()  # the format-specific ``ConvertOptions`` its writer uses
-    remote: bool = False  # read from (and, when it writes, written to) fsspec URLs: ``reshard.storage``
+    # read from (and, when it writes, written to) fsspec URLs: ``reshard.storage``, ``reshard.sinks.RemoteSink``
+    remote: bool = False
     mesh_writer: str | None = None  # the format that writes this one laid out for a mesh; None: whole tensors only
     file_output: bool = False  # one file, unless a mesh or shards are asked (then a folder)
     folder_suffix: str = ""  # a folder output's name ends so (``ckpt.zarr``)
@@ -47,8 +48,6 @@ class FormatEntry:
     # this output holds (names, config, side files): the HF export's key maps, model section,
     # config.json, merged adapter and FP8 weights.
     prepare: str | None = None
-    # "module:function" writing the output at an fsspec URL: (url, plan, target, writer, files, options).
-    url_writer: str = "reshard.remote_output:write_remote"
     model_sections: bool = False  # read(path, model_index=i) picks one model of several (and its optimizer)
 
 
@@ -70,7 +69,7 @@ FORMATS: list[FormatEntry] = [
                 model_sections=True),
     FormatEntry("zarr", "reshard.formats.zarr.format:ZarrFormat", "a zarr v3 store with zarr.json", writes=True,
                 suffixes=(".zarr",), default_suffix=".zarr", options=("max_shard_size", "compress"), remote=True,
-                mesh_writer="zarr", folder_suffix=".zarr", url_writer="reshard.formats.zarr.remote:write_url"),
+                mesh_writer="zarr", folder_suffix=".zarr"),
     # before torch-ranks: DeepSpeed's per-rank *_optim_states.pt are no DTensor rank files.
     FormatEntry("deepspeed", "reshard.formats.deepspeed.format:DeepSpeedFormat", "a DeepSpeed global_stepN folder"),
     FormatEntry("safetensors", "reshard.formats.safetensors.format:SafetensorsFormat",

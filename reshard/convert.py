@@ -37,9 +37,9 @@ from reshard.parallel import Workers, current_workers, split_files, world
 from reshard.pieces import OutputFile
 from reshard.plan import DtypeKeep, Plan, full_target, make_plan, model_section
 from reshard.protocol import Writer
+from reshard.sinks import FolderSink, OutputSink, RemoteSink, StagedSink
 from reshard.sizes import format_size, preview
 from reshard.sources import local_path, resolve_source
-from reshard.staging import StagedOutput
 
 __all__ = ["ConvertResult", "convert", "build_target", "write_output", "default_destination", "source_files"]
 
@@ -171,7 +171,7 @@ def convert(
     opts = _options(options, given)
     source = resolve_source(src, opts.storage_options)
     dst_path = local_path(dst) if dst is not None else None
-    remote_dst = str(dst) if dst is not None and dst_path is None else None  # an fsspec URL (reshard.remote_output)
+    remote_dst = str(dst) if dst is not None and dst_path is None else None  # an fsspec URL (reshard.sinks)
     catalog = source.catalog
     before = source_files(catalog) if source.path is not None else {}
     to = opts.to
@@ -214,14 +214,19 @@ def convert(
 
         ranks = mesh_summary(target, detect_layout(catalog)) if target.mesh is not None else None
         return result(time.perf_counter() - start, dry=True, ranks=ranks)
+    sink: OutputSink
     if remote_dst is not None:  # object stores have no rename: data first, the file that makes a checkpoint last
         if world()[1] > 1:
             raise UsageError(f"{remote_dst}: a URL output is written by one process; run it without torchrun")
-        load_target(format_entry(to).url_writer)(remote_dst, plan, target, writer, files, opts)
-        return result(time.perf_counter() - start)
-    assert dst_path is not None  # not a URL: a local DST
-    stats = write_output(plan, writer, target, files, dst_path, before, current_workers(), opts,
-                         sources=(source.path,) if source.path is not None else (), label=source.label)
+        sink = RemoteSink(remote_dst, opts.storage_options, is_dir=writer.output_is_dir, overwrite=opts.overwrite)
+    else:
+        assert dst_path is not None  # not a URL: a local DST
+        sink = StagedSink(dst_path, is_dir=writer.output_is_dir, overwrite=opts.overwrite,
+                          sources=(source.path,) if source.path is not None else (), fsync=opts.fsync,
+                          check=lambda: _check_unchanged(before))
+    shown = Path(str(out)).name
+    stats = write_output(plan, writer, target, files, sink, current_workers() if remote_dst is None else None, opts,
+                         desc=f"{source.label} → {shown}")
     return result(time.perf_counter() - start, stats.kernel_bytes)
 
 
@@ -350,53 +355,47 @@ def _as_told(layout: Layout, told: Layout | None) -> Layout:
     return layout if told is None or told.name == layout.name else layout.labelled(told.label)
 
 
-def write_output(plan: Plan, writer: Writer, target: Target, files: list[OutputFile], dst: Path,
-                 before: dict[Path, tuple[int, int]], group: Workers | None, opts: ConvertOptions, *,
-                 sources: tuple[Path, ...], label: str) -> EngineStats:
-    """Stage, write and commit a local output; under torchrun each rank writes its share of
-    the files and rank 0 stages, finishes and commits. ``sources``: local paths DST must not
-    overwrite; ``before``: their files' sizes and mtimes, checked again before the commit."""
+def write_output(plan: Plan, writer: Writer, target: Target, files: list[OutputFile], sink: OutputSink,
+                 group: Workers | None, opts: ConvertOptions, *, desc: str) -> EngineStats:
+    """Write ``files`` through ``sink`` and make them an output (or nothing). Under torchrun
+    (``group``) each rank writes its share of the files into rank 0's staging folder, and rank
+    0 alone opens the sink, finishes and commits; an error on any rank is raised on all."""
     rank = group.rank if group is not None else 0
-    engine = Engine(opts.budget, workers=opts.workers, progress=not opts.quiet and rank == 0, desc=f"{label} → {dst.name}",
-                    fsync=opts.fsync)
-    staged = StagedOutput(dst, is_dir=writer.output_is_dir, overwrite=opts.overwrite, sources=sources, fsync=opts.fsync)
-    # Files for the manifest are hashed as the engine finishes them (in the page cache, while
-    # later files copy), unless the writer's finish rewrites them (zarr pads and compresses).
-    hash_early = writer.output_is_dir and not writer.finish_rewrites_data
+    engine = Engine(opts.budget, workers=opts.workers, progress=not opts.quiet and rank == 0, desc=desc, fsync=opts.fsync)
     if group is None:
-        with staged as out:
-            stats = engine.run(plan, out.staging, writer.output_is_dir, digests=hash_early)
-            writer.finish(out.staging, target, files)
-            _check_unchanged(before)
-            out.commit(stats.digests)
+        try:
+            sink.open()
+            stats = engine.run(plan, sink, digests=True)
+            sink.commit(writer, target, files, stats.digests)
+        finally:
+            sink.abort()  # nothing left to undo once committed
         return stats
+    assert isinstance(sink, StagedSink)  # a URL output is written by one process
     error: BaseException | None = None
-    stats, entered = EngineStats(), False
+    stats = EngineStats()
     try:
         if rank == 0:  # rank 0 owns the staging folder and the lock
             try:
-                staged.__enter__()
-                entered = True
+                sink.open()
             except BaseException as e:  # noqa: BLE001 - re-raised on every rank by group.check
                 error = e
         group.check(error)
-        staging = Path(group.share(str(staged.staging)))
-        try:  # each rank hashes what it wrote, so rank 0 does not read every byte back alone
-            stats = engine.run(plan.subset(split_files(files, group.world_size)[rank]), staging,
-                               writer.output_is_dir, digests=hash_early)
+        # Each rank hashes what it wrote, so rank 0 does not read every byte back alone.
+        staging = Path(group.share(str(sink.root)))
+        mine = sink if rank == 0 else FolderSink(staging, sink.is_dir, fsync=opts.fsync)
+        try:
+            stats = engine.run(plan.subset(split_files(files, group.world_size)[rank]), mine, digests=True)
         except BaseException as e:  # noqa: BLE001 - re-raised on every rank by group.check
             error = e
         group.check(error)
         known = {rel: d for part in group.gather(stats.digests) for rel, d in part.items()}
         if rank == 0:
             try:
-                writer.finish(staging, target, files)
-                _check_unchanged(before)
-                staged.commit(known)
+                sink.commit(writer, target, files, known)
             except BaseException as e:  # noqa: BLE001 - re-raised on every rank by group.check
                 error = e
         group.check(error)
     finally:
-        if entered:
-            staged.__exit__(None, None, None)
+        if rank == 0:
+            sink.abort()
     return stats

@@ -24,6 +24,7 @@ import math
 import os
 import threading
 from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ from reshard.pieces import OutputFile, Piece
 from reshard.plan import Plan, Source
 from reshard.progress import Progress
 from reshard.regions import StoredRegion, as_region, read_exact
+from reshard.sinks import FolderSink, Sink, SinkFile
 from reshard.sizes import format_size
 from reshard.storage import RemotePath
 
@@ -109,21 +111,14 @@ def _merged_sources(pieces: list[Piece], plan: Plan, box: Box) -> list[Source]:
     return [Source(c, part) for c in chunks.values() if (part := c.box.intersect(box)) is not None]
 
 
-def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def _write_literals(fd: int, f: OutputFile) -> None:
-    """The file's literal bytes (headers, pickles), adjacent ones joined into one write."""
+def _literal_runs(f: OutputFile) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of the file's literal bytes (headers, pickles), adjacent ones joined."""
     run: list[bytes] = []
     start = at = 0
     for seg in f.segments:
         if isinstance(seg, Piece):
             if run:
-                _pwrite_all(fd, b"".join(run), start)
+                yield start, b"".join(run)
                 run = []
             at += seg.nbytes
             start = at
@@ -131,34 +126,56 @@ def _write_literals(fd: int, f: OutputFile) -> None:
             run.append(seg)
             at += len(seg)
     if run:
-        _pwrite_all(fd, b"".join(run), start)
+        yield start, b"".join(run)
 
 
-def _check_free_space(root: Path, need: int) -> None:
-    """Fail now, not at 90%, when the output cannot fit in the free space where it goes."""
-    where = root
-    while not where.exists() and where != where.parent:
-        where = where.parent
-    st = os.statvfs(where)
-    free = st.f_bavail * st.f_frsize
-    if need > free:
-        raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: the output needs {format_size(need)}, "
-                                    f"{format_size(free)} is free", str(root))
+class _MemoryFile:
+    """A file assembled whole in memory before it is encoded (``OutputFile.encode``)."""
+
+    fd: int | None = None
+
+    def __init__(self, size: int) -> None:
+        self.buf = np.zeros(size, dtype=np.uint8)  # zeros: the tail a zarr edge chunk is padded with
+
+    def write_at(self, offset: int, data: memoryview | bytes) -> None:
+        view = np.frombuffer(data, dtype=np.uint8)
+        self.buf[offset:offset + view.size] = view
+
+    def written(self, offset: int, nbytes: int) -> None:
+        pass
 
 
-def _create(path: Path, f: OutputFile, size: int, literals: bool = True) -> None:
-    """The file at its full ``size``, literal bytes in place (unless its windows write them:
-    ``literals=False``); pieces are written into it later."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        # Sized, not reserved: pwrite into posix_fallocate'd (unwritten) extents measured 6x
-        # slower than into a sparse file on ext4. Free space is checked once, before any file.
-        os.ftruncate(fd, size)
-        if literals:
-            _write_literals(fd, f)
-    finally:
-        os.close(fd)
+class _Stopped(Exception):
+    """A job cut short because the run failed elsewhere (that error is the one raised)."""
+
+
+@dataclass(frozen=True)
+class _WholeFile:
+    """A file written by one job, front to back: every file of a sink that uploads, and a
+    file to be encoded whole. ``steps``: (offset, literal bytes, a gathered window or a
+    piece), in file order, covering the file up to its zero tail."""
+
+    file: OutputFile
+    steps: list[tuple[int, bytes | gather.Window | Piece]]
+
+    @property
+    def relpath(self) -> str:
+        return self.file.relpath
+
+
+Job = gather.Window | _RowGroup | tuple[str, int, Piece] | _WholeFile
+
+
+def _digest(sink: Sink, relpath: str) -> FileDigest:
+    path = sink.local_path(relpath)
+    assert path is not None  # digests are asked of local files only
+    return file_digest(path)
+
+
+def _relpaths(job: Job) -> list[str]:
+    if isinstance(job, _RowGroup):
+        return [rel for rel, _, _ in job.items]
+    return [job[0] if isinstance(job, tuple) else job.relpath]
 
 
 class _Scratch(threading.local):
@@ -183,6 +200,7 @@ def _import_torch() -> None:
     import torch  # noqa: F401
 
 
+_ZERO_STEP = 8 << 20  # zeros written to an upload per write
 _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs are cut from
 # A worker's share of the budget for a window of gathered runs (``reshard.gather``): the
 # window, what is read for it (twice the window: tiny pieces lie a little apart in their
@@ -199,22 +217,44 @@ _JOBS_IN_FLIGHT = 4  # per worker: enough queued that no worker waits for the ne
 REMOTE_WORKERS = 16
 
 
-def _in_order(windows: list[gather.Window], jobs: list[_RowGroup | tuple[str, int, Piece]],
-              order: dict[str, int] | None) -> list[gather.Window | _RowGroup | tuple[str, int, Piece]]:
-    """Windows before pieces (they are the large jobs); with ``order`` (hashing as files
-    finish), file by file, windows first in each."""
-    out: list[gather.Window | _RowGroup | tuple[str, int, Piece]] = [*windows, *jobs]
+def _in_order(jobs: list[Job], order: dict[str, int] | None) -> list[Job]:
+    """With ``order`` (hashing as files finish), ``jobs`` file by file, whole files and
+    windows first in each; else as they are."""
     if order is None:
-        return out
+        return jobs
+    return sorted(jobs, key=lambda job: (order[_relpaths(job)[0]], not isinstance(job, (gather.Window, _WholeFile))))
 
-    def file_of(job: gather.Window | _RowGroup | tuple[str, int, Piece]) -> int:
-        rel = job.relpath if isinstance(job, gather.Window) else job.items[0][0] if isinstance(job, _RowGroup) else job[0]
-        return order[rel]
 
-    return sorted(out, key=lambda job: (file_of(job), not isinstance(job, gather.Window)))
+def _schedule(jobs: Iterable[Job], workers: int, do: Callable[[Job], None], stop: threading.Event, where: str) -> None:
+    """Every job done by ``workers`` threads: the one loop behind every output (local files,
+    uploads, zarr stores). A bounded window of jobs is in flight: a future per piece up front
+    costs about 2 KiB each, gigabytes for a checkpoint of 100k tensors on many ranks. The
+    first error stops the rest (``stop``: workers check it between slabs) and is raised; a
+    write error without a file name names ``where``."""
+    with ThreadPoolExecutor(workers) as pool:
+        pending: deque[Future] = deque()
+        try:
+            for job in jobs:
+                if len(pending) >= _JOBS_IN_FLIGHT * workers:
+                    pending.popleft().result()
+                pending.append(pool.submit(do, job))
+            while pending:
+                pending.popleft().result()
+        except OSError as e:
+            stop.set()
+            pool.shutdown(cancel_futures=True)
+            if e.filename is None and e.errno is not None:  # a full disk or I/O error on write: say where
+                raise OSError(e.errno, e.strerror, where) from e
+            raise
+        except BaseException:  # Ctrl-C lands here: workers stop at their next slab
+            stop.set()
+            pool.shutdown(cancel_futures=True)
+            raise
 
 
 class Engine:
+    """Executes a plan under ``max_memory``, writing through a sink (``reshard.sinks``)."""
+
     def __init__(self, max_memory: int, *, workers: int | None = None, progress: bool = True,
                  desc: str = "writing", fsync: bool = False) -> None:
         self.max_memory = max_memory
@@ -237,24 +277,37 @@ class Engine:
             _import_torch()
         self._torch_ready = True
 
-    def _workers_for(self, plan: Plan) -> tuple[int, int]:
-        """(workers, memory for their slabs). Where source chunks must be decoded whole
-        (compressed zarr), each worker may hold one: its compressed bytes, the decoded chunk
-        and the copy it is cut from, ``_DECODE_COPIES`` times the chunk, set aside from the
-        budget before slabs are sized. A chunk that leaves its worker less than that
-        (``_DECODE_COPIES + 1`` chunks in all) is refused, naming the budget it needs."""
+    def _workers_for(self, plan: Plan, sink: Sink) -> tuple[int, int]:
+        """(workers, memory for their slabs): one rule for every sink.
+
+        An object store answers each request after tens of milliseconds, so a source or an
+        output behind one gets ``REMOTE_WORKERS`` (unless workers were given); an upload is
+        written by one worker, so never more workers than files. Where source chunks must be
+        decoded whole (compressed zarr), each worker may hold one: its compressed bytes, the
+        decoded chunk and the copy it is cut from, ``_DECODE_COPIES`` times the chunk, set
+        aside before slabs are sized; a chunk that leaves its worker less than that
+        (``_DECODE_COPIES + 1`` chunks in all) is refused, naming the budget it needs. A file
+        encoded whole (``OutputFile.encode``) takes itself and its encoded form per worker,
+        beside a slab as large."""
+        workers, memory = self.workers, self.max_memory
+        if (plan.remote or sink.remote) and not self._workers_given:
+            workers = max(workers, REMOTE_WORKERS)
+        if not sink.random_access:
+            workers = max(1, min(workers, len(plan.files)))
         whole = plan.decoded_chunk_bytes
-        if not whole:
-            if plan.remote and not self._workers_given:
-                return max(self.workers, REMOTE_WORKERS), self.max_memory
-            return self.workers, self.max_memory
-        need = (_DECODE_COPIES + 1) * whole
-        if need > self.max_memory:
-            raise UsageError(f"the source has compressed chunks of {format_size(whole)}, each decoded whole; that needs "
-                             f"{option('--max-memory ', 'max_memory=')}{-(-need // (1 << 20))}MiB or more "
-                             f"(it is {format_size(self.max_memory)})")
-        workers = max(1, min(self.workers, self.max_memory // need))
-        return workers, self.max_memory - workers * _DECODE_COPIES * whole
+        if whole:
+            need = (_DECODE_COPIES + 1) * whole
+            if need > memory:
+                raise UsageError(f"the source has compressed chunks of {format_size(whole)}, each decoded whole; that "
+                                 f"needs {option('--max-memory ', 'max_memory=')}{-(-need // (1 << 20))}MiB or more "
+                                 f"(it is {format_size(memory)})")
+            workers = max(1, min(workers, memory // need))
+            memory -= workers * _DECODE_COPIES * whole
+        encoded = max((f.size for f in plan.files if f.encode is not None), default=0)
+        if encoded:
+            workers = max(1, min(workers, memory // (3 * encoded)))
+            memory = max(memory - workers * 2 * encoded, encoded)
+        return workers, memory
 
     def _slab_bytes(self, piece: Piece, sources: list[Source]) -> int:
         src_item = max(((r.dtype.itemsize if (r := as_region(s.chunk.data)) is not None else 8) for s in sources),
@@ -278,28 +331,21 @@ class Engine:
             out.append((data, src[0], dst[0] * piece.dtype.itemsize, src[1]))
         return out
 
-    def _fill(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: FdPool,
-              stats: EngineStats, bar: Progress) -> None:
-        self._copy_piece(fd, offset, piece, sources, fds, stats, bar)
-        self._start_writeback(fd, offset, piece.nbytes)
-
-    def _start_writeback(self, fd: int, offset: int, nbytes: int) -> None:
-        """With fsync, start writing a finished piece to disk now, in the background, so the
-        final fsync has little left to wait for (disk writes overlap the rest of the copy)."""
-        if self.fsync and nbytes and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-
-    def _copy_piece(self, fd: int, offset: int, piece: Piece, sources: list[Source], fds: FdPool,
+    def _copy_piece(self, out: SinkFile, offset: int, piece: Piece, sources: list[Source], fds: FdPool,
                     stats: EngineStats, bar: Progress) -> None:
-        copies = self._kernel_plan(piece, sources)
+        """``piece`` into ``out`` at ``offset``: kernel copies into a local file where its
+        sources allow, else slab by slab in this worker's scratch."""
+        copies = self._kernel_plan(piece, sources) if out.fd is not None else None
         if copies is not None:
+            assert out.fd is not None  # a local file
             for region, src_off, at, n in copies:
                 if self._stop.is_set():
                     return
                 with fds.use(region.path) as src_fd:
-                    _kernel_copy(src_fd, src_off, fd, offset + at, n, region.path)
+                    _kernel_copy(src_fd, src_off, out.fd, offset + at, n, region.path)
                 stats.add(kernel=n)
                 bar.update(n)
+            out.written(offset, piece.nbytes)
             return
         self._import_torch_for(piece.dtype, sources, bar)
         at = offset
@@ -310,10 +356,11 @@ class Engine:
                 return
             parts = [s for s in sources if s.box.intersect(slab) is not None]
             data = as_bytes(contiguous_in(assemble_any(slab, piece.dtype, parts, fds, scratch), scratch))
-            _pwrite_all(fd, data, at)
+            out.write_at(at, data)
             at += data.nbytes
             stats.add(buffered=data.nbytes)
             bar.update(data.nbytes)
+        out.written(offset, piece.nbytes)
 
     def _jobs(self, work: list[tuple[str, int, Piece]], plan: Plan) -> list[_RowGroup | tuple[str, int, Piece]]:
         """``work`` as jobs, in its order: one piece each, except pieces of one tensor that
@@ -359,8 +406,7 @@ class Engine:
             return None
         return _RowGroup(items, box, sources, block_bytes)
 
-    def _fill_rows(self, group: _RowGroup, paths: dict[str, Path], fds: FdPool, outs: FdPool, stats: EngineStats,
-                   bar: Progress) -> None:
+    def _fill_rows(self, group: _RowGroup, sink: Sink, fds: FdPool, stats: EngineStats, bar: Progress) -> None:
         """One job of ``_jobs``: the bounding box of its pieces assembled a block of rows at a
         time (half a slab, so the pieces' copies fit in the other half), and each piece's
         columns of the block written where those rows sit in its file."""
@@ -380,112 +426,150 @@ class Engine:
                                                                          block.offsets[1:]))
                 part = as_bytes(contiguous_in(data[(slice(None),) + cols], cols_buf))
                 row_bytes = math.prod(piece.box.sizes[1:]) * item
-                with outs.use(paths[rel]) as fd:
-                    _pwrite_all(fd, part, off + (block.offsets[0] - piece.box.offsets[0]) * row_bytes)
+                with sink.file(rel) as out:
+                    out.write_at(off + (block.offsets[0] - piece.box.offsets[0]) * row_bytes, part)
                 stats.add(buffered=part.nbytes)
                 bar.update(part.nbytes)
-        if self.fsync:
-            for rel, off, piece in items:
-                with outs.use(paths[rel]) as fd:
-                    self._start_writeback(fd, off, piece.nbytes)
+        for rel, off, piece in items:
+            with sink.file(rel) as out:
+                out.written(off, piece.nbytes)
 
-    def _fill_window(self, window: gather.Window, gathered: Gathered, paths: dict[str, Path], fds: FdPool, outs: FdPool,
-                     stats: EngineStats, bar: Progress, window_bytes: int) -> None:
+    def _fill_window(self, window: gather.Window, gathered: Gathered, out: SinkFile, fds: FdPool, stats: EngineStats,
+                     bar: Progress, window_bytes: int) -> None:
         """One window of a gathered file (``reshard.gather``), in this worker's scratch."""
         if self._stop.is_set():
             return
         scratch = self._scratch.take(3 * window_bytes)
-        with outs.use(paths[window.relpath]) as fd:
-            gather.write_window(fd, window, gathered, fds, scratch, 2 * window_bytes)
-            self._start_writeback(fd, int(gathered.files[window.relpath].dst[window.first]), window.nbytes)
+        offset, data = gather.assemble_window(window, gathered, fds, scratch, 2 * window_bytes)
+        out.write_at(offset, as_bytes(data))
+        out.written(offset, window.nbytes)
         stats.add(buffered=window.piece_bytes)
         bar.update(window.piece_bytes)
 
-    @without_gc  # a chunk located per piece makes objects by the hundred thousand (reshard/gc_pause.py)
-    def run(self, plan: Plan, root: Path, output_is_dir: bool, *, digests: bool = False) -> EngineStats:
-        """Write every file of ``plan`` under ``root`` (a directory, or the file itself).
+    def _write_whole(self, job: _WholeFile, sink: Sink, plan: Plan, fds: FdPool, stats: EngineStats, bar: Progress,
+                     window_bytes: int) -> None:
+        """A file front to back by this worker: streamed into an upload, or assembled in
+        memory and encoded (``OutputFile.encode``) into any sink."""
+        f = job.file
+        with sink.file(f.relpath) as target:
+            out = _MemoryFile(f.size) if f.encode is not None else target
+            for offset, step in job.steps:
+                if self._stop.is_set():  # leave by an exception, so an upload is discarded, not completed
+                    raise _Stopped
+                if isinstance(step, bytes):
+                    out.write_at(offset, step)
+                elif isinstance(step, gather.Window):
+                    assert plan.gathered is not None  # windows come from it
+                    self._fill_window(step, plan.gathered, out, fds, stats, bar, window_bytes)
+                else:
+                    self._copy_piece(out, offset, step, plan.sources[step], fds, stats, bar)
+            if self._stop.is_set():
+                raise _Stopped
+            if isinstance(out, _MemoryFile):
+                data = f.encode(as_bytes(out.buf)) if f.encode is not None else b""
+                del out
+                target.write_at(0, data)
+                target.written(0, len(data))
+            elif f.zero_tail and not sink.random_access:  # an upload's zero tail; a local file has it from its size
+                at, end = f.size - f.zero_tail, f.size
+                zeros = bytes(min(_ZERO_STEP, f.zero_tail))
+                while at < end:
+                    n = min(len(zeros), end - at)
+                    target.write_at(at, memoryview(zeros)[:n])
+                    at += n
 
-        ``digests``: also hash every file of a directory output for the manifest, each as soon
-        as its last piece is written, while it is in the page cache and while later files are
+    def _whole_files(self, files: list[OutputFile], work: list[tuple[str, int, Piece]], plan: Plan,
+                     window_bytes: int) -> list[_WholeFile]:
+        """``files`` as ``_WholeFile`` jobs: each one's literals, gathered windows and pieces
+        (of ``work``) in file order."""
+        steps: dict[str, list[tuple[int, bytes | gather.Window | Piece]]] = {f.relpath: [] for f in files}
+        for rel, off, piece in work:
+            if rel in steps:
+                steps[rel].append((off, piece))
+        gathered = plan.gathered.files if plan.gathered is not None else {}
+        for f in files:
+            mine = steps[f.relpath]
+            if f.relpath in gathered:  # its windows write its literals too
+                runs = gathered[f.relpath]
+                mine += [(int(runs.dst[w.first]), w) for w in gather.windows(f.relpath, runs, window_bytes)]
+            else:
+                mine += list(_literal_runs(f))
+            mine.sort(key=lambda step: step[0])
+        return [_WholeFile(f, steps[f.relpath]) for f in files]
+
+    @without_gc  # a chunk located per piece makes objects by the hundred thousand (reshard/gc_pause.py)
+    def run(self, plan: Plan, out: Sink | Path, output_is_dir: bool = True, *, digests: bool = False) -> EngineStats:
+        """Write every file of ``plan`` through ``out``: a sink (``reshard.sinks``), or a
+        local path (a folder with ``output_is_dir``, else the file itself).
+
+        ``digests``: also hash every file of a local folder for the manifest, each as soon as
+        its last piece is written, while it is in the page cache and while later files are
         still being copied (the pieces then go file by file instead of biggest first)."""
-        workers, self._slab_memory = self._workers_for(plan)
+        sink = out if not isinstance(out, Path) else FolderSink(out, output_is_dir, fsync=self.fsync)
+        workers, self._slab_memory = self._workers_for(plan, sink)
         self._active_workers = workers
-        stats, fds, outs = EngineStats(), FdPool(os.O_RDONLY), FdPool(os.O_WRONLY)
-        paths = {f.relpath: root / f.relpath if output_is_dir else root for f in plan.files}
-        digests = digests and output_is_dir
+        stats, fds = EngineStats(), FdPool(os.O_RDONLY)
+        digests = digests and sink.is_dir and sink.random_access
         hashing = ThreadPoolExecutor(self.workers) if digests else None
         hashed: dict[str, Future] = {}
         bar = Progress(plan.total_bytes, self.desc, enabled=self.show_progress)
         try:
-            sizes = [f.size for f in plan.files]  # a walk over every segment: 100k+ of them at scale, once
-            _check_free_space(root, sum(sizes))
-            for f, size in zip(plan.files, sizes):
-                _create(paths[f.relpath], f, size, literals=plan.gathered is None or f.relpath not in plan.gathered.files)
+            gathered = plan.gathered.files if plan.gathered is not None else {}
             work = [(f.relpath, off, p) for f, off, p in plan.pieces(gathered=False)]
             order = {f.relpath: i for i, f in enumerate(plan.files)}
-            if digests:
-                work.sort(key=lambda w: (order[w[0]], -w[2].nbytes))
-            else:  # big pieces first, so the pool does not end on one long tail
-                work.sort(key=lambda w: -w[2].nbytes)
             window_bytes = max(1 << 16, min(_WINDOW_MAX, self._slab_memory // (workers * _WINDOW_SHARE)))
-            windows = [w for rel, runs in (plan.gathered.files.items() if plan.gathered is not None else ())
-                       for w in gather.windows(rel, runs, window_bytes)]
-            left = Counter(rel for rel, _, _ in work) + Counter(w.relpath for w in windows)  # jobs to do, per file
+            whole = [f for f in plan.files if f.encode is not None or not sink.random_access]
+            jobs: list[Job] = list(self._whole_files(whole, work, plan, window_bytes))
+            jobs.sort(key=lambda job: -job.file.size if isinstance(job, _WholeFile) else 0)
+            sink.prepare([(f.relpath, 0 if f.encode is not None else f.size) for f in plan.files])
+            if sink.random_access:  # every other file: literals now, pieces and windows in any order
+                whole_paths = {f.relpath for f in whole}
+                for f in plan.files:
+                    if f.relpath not in whole_paths and f.relpath not in gathered:
+                        with sink.file(f.relpath) as target:
+                            for offset, data in _literal_runs(f):
+                                target.write_at(offset, data)
+                work = [w for w in work if w[0] not in whole_paths]
+                if digests:
+                    work.sort(key=lambda w: (order[w[0]], -w[2].nbytes))
+                else:  # big pieces first, so the pool does not end on one long tail
+                    work.sort(key=lambda w: -w[2].nbytes)
+                jobs += [w for rel, runs in gathered.items() if rel not in whole_paths
+                         for w in gather.windows(rel, runs, window_bytes)]
+                jobs += self._jobs(work, plan)
+            left = Counter(rel for job in jobs for rel in _relpaths(job))  # jobs to do, per file
             lock = threading.Lock()
 
-            def fill(job: gather.Window | _RowGroup | tuple[str, int, Piece]) -> None:
-                if isinstance(job, gather.Window):
+            def fill(job: Job) -> None:
+                if isinstance(job, _WholeFile):
+                    self._write_whole(job, sink, plan, fds, stats, bar, window_bytes)
+                elif isinstance(job, gather.Window):
                     assert plan.gathered is not None  # windows come from it
-                    self._fill_window(job, plan.gathered, paths, fds, outs, stats, bar, window_bytes)
-                    files = [job.relpath]
+                    with sink.file(job.relpath) as target:
+                        self._fill_window(job, plan.gathered, target, fds, stats, bar, window_bytes)
                 elif isinstance(job, _RowGroup):
-                    self._fill_rows(job, paths, fds, outs, stats, bar)
-                    files = [rel for rel, _, _ in job.items]
+                    self._fill_rows(job, sink, fds, stats, bar)
                 else:
                     rel, off, piece = job
-                    with outs.use(paths[rel]) as fd:
-                        self._fill(fd, off, piece, plan.sources[piece], fds, stats, bar)
-                    files = [rel]
+                    with sink.file(rel) as target:
+                        self._copy_piece(target, off, piece, plan.sources[piece], fds, stats, bar)
                 if hashing is not None:  # digests asked for
                     with lock:
-                        for rel in files:
+                        for rel in _relpaths(job):
                             left[rel] -= 1
                             if left[rel] == 0:
-                                hashed[rel] = hashing.submit(file_digest, root / rel)
+                                hashed[rel] = hashing.submit(_digest, sink, rel)
 
             if hashing is not None:  # files of literal bytes only are complete already
-                hashed.update({f.relpath: hashing.submit(file_digest, root / f.relpath)
+                hashed.update({f.relpath: hashing.submit(_digest, sink, f.relpath)
                                for f in plan.files if not left[f.relpath]})
-            with ThreadPoolExecutor(workers) as pool:
-                # A bounded window of jobs in flight: a future per piece up front costs about
-                # 2 KiB each, gigabytes for a checkpoint of 100k tensors on many ranks.
-                pending: deque[Future] = deque()
-                try:
-                    for job in _in_order(windows, self._jobs(work, plan), order if digests else None):
-                        if len(pending) >= _JOBS_IN_FLIGHT * workers:
-                            pending.popleft().result()
-                        pending.append(pool.submit(fill, job))
-                    while pending:
-                        pending.popleft().result()
-                except OSError as e:
-                    self._stop.set()
-                    pool.shutdown(cancel_futures=True)
-                    if e.filename is None:  # a full disk or I/O error on write: say where
-                        raise OSError(e.errno, e.strerror, str(root)) from e
-                    raise
-                except BaseException:  # Ctrl-C lands here: workers stop at their next slab
-                    self._stop.set()
-                    pool.shutdown(cancel_futures=True)
-                    raise
+            _schedule(_in_order(jobs, order if digests else None), workers, fill, self._stop, str(sink.where))
             stats.digests = {rel: fut.result() for rel, fut in hashed.items()}
-            if self.fsync:
-                for path in paths.values():
-                    with outs.use(path) as fd:
-                        os.fsync(fd)
+            sink.sync()
         finally:
             if hashing is not None:
                 hashing.shutdown(cancel_futures=True)
             bar.close()
             fds.close()
-            outs.close()
+            sink.close()
         return stats

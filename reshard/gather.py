@@ -3,13 +3,12 @@
 A window is a span of adjacent runs of one file: its literal bytes come from the plan's pool,
 its pieces' bytes from their source files, each source read in as few spans as the memory
 allows (the runs of tiny pieces lie close together in their files, so one read usually holds
-hundreds), then the window is written with one ``pwrite``. Runs are copied into place by
+hundreds), then the window is written with one write. Runs are copied into place by
 length class, each class in one array operation: no Python per piece.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from reshard.columns import copy_runs
 from reshard.fd_pool import FdPool
 from reshard.regions import read_into
 
-__all__ = ["Window", "windows", "write_window"]
+__all__ = ["Window", "windows", "assemble_window"]
 
 _ALWAYS_SPLIT = 1 << 16  # a hole this large between two runs of a source is never read through
 
@@ -56,9 +55,10 @@ def windows(relpath: str, runs: FileRuns, limit: int) -> list[Window]:
     return out
 
 
-def write_window(fd: int, window: Window, gathered: Gathered, fds: FdPool, scratch: np.ndarray, read_limit: int) -> None:
-    """Assemble ``window`` in ``scratch`` (uint8: the window, then what is read for it, up to
-    ``read_limit`` bytes; fresh memory past that) and write it to ``fd`` (the output file)."""
+def assemble_window(window: Window, gathered: Gathered, fds: FdPool, scratch: np.ndarray, read_limit: int
+                    ) -> tuple[int, np.ndarray]:
+    """``window`` assembled in ``scratch`` (uint8: the window, then what is read for it, up to
+    ``read_limit`` bytes; fresh memory past that): its offset in the file and its bytes."""
     runs = gathered.files[window.relpath]
     a, b = window.first, window.end
     start = int(runs.dst[a])
@@ -74,11 +74,7 @@ def write_window(fd: int, window: Window, gathered: Gathered, fds: FdPool, scrat
         with fds.use(path) as src_fd:
             data, at = _read_spans(src_fd, path, src_off[mine], length[mine], read_limit, spare)
         copy_runs(out, dst[mine], data, at, length[mine])
-    view = memoryview(out)  # type: ignore[arg-type]  # numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
-    offset = start
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+    return start, out
 
 
 def _read_spans(fd: int, path: Path, offsets: np.ndarray, lengths: np.ndarray, limit: int, into: np.ndarray

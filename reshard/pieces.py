@@ -15,7 +15,7 @@ columns instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, overload
 
@@ -57,16 +57,24 @@ def segment_size(seg: Segment) -> int:
 
 @dataclass
 class OutputFile:
-    """One output file: ``relpath`` inside the output (``""`` when the output is this file)."""
+    """One output file: ``relpath`` inside the output (``""`` when the output is this file).
+
+    ``zero_tail``: zero bytes after the segments (a zarr edge chunk's padding: made by sizing
+    a local file, written only to an upload). ``encode``: the file's stored form made from
+    all of its bytes at once (zarr's zstd): the engine assembles such a file whole, in memory
+    under the budget, and writes what this returns."""
 
     relpath: str
     segments: list[Segment] = field(default_factory=list)
+    zero_tail: int = 0
+    encode: Callable[[memoryview], bytes] | None = None
 
     @property
     def size(self) -> int:
+        """Bytes before ``encode``: the segments and the zero tail."""
         if isinstance(self.segments, SegmentTable):
-            return int(self.segments.sizes.sum())
-        return sum(segment_size(s) for s in self.segments)
+            return int(self.segments.sizes.sum()) + self.zero_tail
+        return sum(segment_size(s) for s in self.segments) + self.zero_tail
 
     def offsets(self) -> list[int]:
         """Byte offset of each segment in the file."""

@@ -12,9 +12,11 @@ Lifecycle of a conversion, and who calls what:
 4. ``writer.layout(target)`` returns the output files as ``OutputFile``s: literal header
    bytes and ``Piece``s in file order. Everything a format needs to say about sizes and
    offsets is computable here, before data moves.
-5. The engine writes every file into a staging location, streaming each Piece's bytes.
+5. The engine writes every file through a sink (``reshard.sinks``: a local staging folder,
+   or an object store's uploads), streaming each Piece's bytes.
 6. ``writer.finish(staging, target, files)`` writes what must come last (DCP ``.metadata``,
-   a safetensors index), then the engine renames staging into place atomically.
+   a safetensors index) into a local folder, then the sink makes the output appear: renames
+   the staging into place, or puts those files after the data, the marker last.
 
 A format module knows its byte layout and the catalog, nothing about meshes or budgets.
 """
@@ -33,10 +35,10 @@ __all__ = ["Format", "Writer"]
 
 class Writer(Protocol):
     # True when the output is a directory (DCP, sharded safetensors), False for one file.
+    # Optional: ``marker``, the relpath of a file ``finish`` makes that makes the folder a
+    # checkpoint for its readers (zarr's root ``zarr.json``), put last to an object store
+    # (``reshard.sinks.RemoteSink``; DCP ``.metadata`` and safetensors indexes are known).
     output_is_dir: bool
-    # True when ``finish`` rewrites data files the engine wrote (zarr pads and compresses
-    # chunks), so digests taken before it are stale.
-    finish_rewrites_data: bool
 
     def layout(self, target: Target) -> list[OutputFile]: ...
 
@@ -55,5 +57,5 @@ class Format(Protocol):
     def read(self, path: Path) -> Catalog: ...
 
     def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> Writer:
-        """``dst``: a local path, or the URL of an output written to a store (``reshard.remote_output``)."""
+        """``dst``: a local path, or the URL of an output written to a store (``reshard.sinks``)."""
         ...

@@ -60,7 +60,8 @@ def _pid_in(fd: int) -> int:
 
 
 class StagedOutput:
-    """``with StagedOutput(dst, is_dir) as out: write under out.staging; out.commit()``."""
+    """``with StagedOutput(dst, is_dir) as out: write under out.staging; out.commit()`` (or
+    ``open()`` ... ``commit()``, and ``close()`` in any case, as ``reshard.sinks.StagedSink`` does)."""
 
     def __init__(self, dst: Path, *, is_dir: bool, overwrite: bool = False, sources: tuple[Path, ...] = (),
                  fsync: bool = False, manifest: bool = True) -> None:
@@ -79,6 +80,12 @@ class StagedOutput:
         self._lock_fd: int | None = None
 
     def __enter__(self) -> StagedOutput:
+        self.open()
+        return self
+
+    def open(self) -> None:
+        """Claim ``dst``: refuse an existing output (unless ``overwrite``), take the lock,
+        sweep what dead conversions left, make the staging folder (for a folder output)."""
         parent = self.dst.parent
         if not parent.is_dir():
             raise UsageError(f"{self.dst}: parent folder {parent} does not exist")
@@ -101,7 +108,6 @@ class StagedOutput:
         except BaseException:
             self._release_lock()
             raise
-        return self
 
     def _busy(self, holder: int) -> OutputExistsError:
         return OutputExistsError(
@@ -180,6 +186,10 @@ class StagedOutput:
         self._committed = True
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the staging unless committed, and let the lock go; safe to call twice."""
         if not self._committed:
             _remove(self.staging)
         self._release_lock()

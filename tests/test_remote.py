@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import reshard
-from reshard import remote_output
+from reshard import sinks
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError, UnsupportedFormatError, UsageError
 from reshard.verify import verify_manifest
 
@@ -135,22 +135,23 @@ def test_an_interrupted_write_leaves_nothing_that_reads_as_a_checkpoint(memfs: A
                                                                        tmp_path: Path) -> None:
     state = _trained_state()
     dcp.save(state, storage_writer=FsspecWriter("memory://ckpts/run"))
-    real, calls = remote_output._put_file, []
+    real, calls = sinks._Upload.write_at, []
 
-    def dies_on_the_second_file(dest, file, plan, slab):  # type: ignore[no-untyped-def]
-        calls.append(dest)
+    def dies_on_the_second_file(upload, offset, data):  # type: ignore[no-untyped-def]
+        if upload.url not in calls:
+            calls.append(upload.url)
         if len(calls) == 2:
             raise KeyboardInterrupt  # Ctrl-C while the second rank's file streams
-        return real(dest, file, plan, slab)
+        return real(upload, offset, data)
 
-    monkeypatch.setattr(remote_output, "_put_file", dies_on_the_second_file)
+    monkeypatch.setattr(sinks._Upload, "write_at", dies_on_the_second_file)
     with pytest.raises(KeyboardInterrupt):
         reshard.convert("memory://ckpts/run", "memory://ckpts/cut", mesh="3", workers=1, quiet=True)
     assert not memfs.exists("/ckpts/cut/.metadata")
     assert memfs.find("/ckpts/cut") == []  # what was put is deleted again
     with pytest.raises(CheckpointNotFoundError, match="memory://ckpts/cut: no such file"):
         reshard.inspect("memory://ckpts/cut")
-    monkeypatch.setattr(remote_output, "_put_file", real)
+    monkeypatch.setattr(sinks._Upload, "write_at", real)
 
     # killed outright (no cleanup): the data files without .metadata read as no checkpoint, by
     # torch or reshard, and the next write refuses them until --overwrite

@@ -262,7 +262,6 @@ class DCPWriter:
     chunk's place in its file is an array operation."""
 
     output_is_dir = True
-    finish_rewrites_data = False
 
     def __init__(self) -> None:
         # Where each chunk's record lies, per row of the layout's PieceTable: (file, offset, length).

@@ -265,7 +265,6 @@ class SafetensorsWriter:
     ``pt`` (the bytes are torch's), whatever the source said.
     """
 
-    finish_rewrites_data = False  # finish writes the index only
 
     def __init__(self, dst: Path | str, *, max_shard_size: int | None = None) -> None:
         if max_shard_size is not None and max_shard_size <= 0:

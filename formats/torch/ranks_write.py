@@ -40,7 +40,6 @@ class TorchRanksWriter:
     """``rank{r}.pt`` for every rank of the target mesh."""
 
     output_is_dir = True
-    finish_rewrites_data = False
 
     def layout(self, target: Target) -> list[OutputFile]:
         if target.mesh is None:

@@ -305,7 +305,6 @@ class TorchSaveWriter:
     """One torch.save archive holding every tensor whole, nested as the source was."""
 
     output_is_dir = False
-    finish_rewrites_data = False
 
     def __init__(self, dst: Path | str) -> None:
         stem = Path(dst).stem

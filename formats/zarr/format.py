@@ -13,9 +13,11 @@ tools:
 - ``NAME/c/i/j``: chunks (default key encoding), uncompressed unless ``compress=True`` (zstd).
 
 Without compression a chunk file is raw C-order bytes, so the engine writes it like any other
-format (kernel copies where it can) and the reader hands out ``StoredRegion``s. Every rank can
-write its chunks; ``finish`` (rank 0, after the others) pads edge chunks, compresses if asked,
-and writes the metadata, the root ``zarr.json`` last: a store without it is incomplete.
+format (kernel copies where it can) and the reader hands out ``StoredRegion``s; an edge chunk
+ends in a zero tail (``OutputFile.zero_tail``). With compression the engine assembles each
+chunk whole and writes its zstd form (``OutputFile.encode``). Every rank can write its chunks;
+``finish`` (rank 0, after the others) writes the metadata, the root ``zarr.json`` last (the
+writer's ``marker``, put last to an object store too): a store without it is incomplete.
 Reading accepts any zarr v3 store: nested groups (names joined with dots), the ``v2`` key
 encoding, transpose / big-endian / zstd / gzip / blosc / crc32c codecs, missing chunks.
 """
@@ -24,10 +26,8 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import tempfile
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -48,7 +48,7 @@ from reshard.sizes import plural
 from reshard.storage import RemotePath
 from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
 
-__all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "seal_chunk", "OBJECTS_FILE"]
+__all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "OBJECTS_FILE"]
 
 OBJECTS_KEY, PATHS_KEY, ATTRS_KEY, MESH_KEY = "reshard.objects", "reshard.paths", "reshard.attrs", "reshard.mesh"
 PICKLED_KEY, PLACEMENTS_ATTR = "reshard.pickled_objects", "reshard.mesh.placements"
@@ -209,13 +209,13 @@ class ZarrFormat:
     def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> ZarrWriter:
         """``max_shard_size`` (``--max-shard-size``) caps the chunk size when no mesh sets it.
         Compressed chunks (``compress``) are compressed and decoded whole: ``max_memory`` then
-        caps every chunk at an eighth of it, shards or not (``plan_arrays``). A reader holds a
-        chunk compressed, decoded and copied, beside its slabs (``Engine._workers_for``): a
-        reader with the same budget then decodes on two workers, not one."""
+        caps every chunk at an eighth of it, shards or not (``plan_arrays``). The engine holds
+        a chunk and its zstd form per worker as it writes; a reader holds a chunk compressed,
+        decoded and copied, beside its slabs (``Engine._workers_for``): a reader with the same
+        budget then decodes on two workers, not one."""
         opts = options or ConvertOptions()
-        max_memory = opts.budget if opts.compress else None
-        cap = max(1, max_memory // 8) if max_memory else None
-        return ZarrWriter(compress=opts.compress, chunk_bytes=opts.shard_bytes, chunk_cap=cap, max_memory=max_memory)
+        cap = max(1, opts.budget // 8) if opts.compress else None
+        return ZarrWriter(compress=opts.compress, chunk_bytes=opts.shard_bytes, chunk_cap=cap)
 
 
 # ---------------------------------------------------------------------------------- writing
@@ -260,56 +260,34 @@ def write_metadata(store: Store, target: Target, arrays: list[ArrayLayout]) -> N
     store.put(ZARR_JSON, group_meta_json(root))
 
 
-def seal_chunk(path: Path, full_size: int, compressed: bool) -> None:
-    """Give a chunk file written by the engine (any rank) its stored form: the zero tail of an
-    edge chunk, then zstd if asked. One chunk in memory at a time."""
-    size = os.stat(path).st_size
-    if size > full_size:
-        raise CorruptCheckpointError(f"{path}: chunk file has {size} bytes, more than a chunk ({full_size})")
-    if size < full_size:
-        os.truncate(path, full_size)
-    if compressed:
-        tmp = path.with_name(path.name + ".zst-tmp")
-        tmp.write_bytes(compress(path.read_bytes()))
-        os.replace(tmp, path)
-
-
 class ZarrWriter:
-    """Chunk files from ``layout`` (any rank may write any of them); ``finish`` seals chunks
-    and writes all metadata, so it needs only the files on disk, not this process's writes."""
+    """Chunk files from ``layout`` (any rank may write any of them, padded and compressed as
+    the engine writes them); ``finish`` writes all metadata, so it needs only the layout."""
 
     output_is_dir = True
-    finish_rewrites_data = True  # finish pads edge chunks and compresses: ranks' digests would be stale
+    marker = ZARR_JSON  # the root group's metadata: until it is there, no reader takes the folder for a store
 
-    def __init__(self, *, compress: bool = False, chunk_bytes: int | None = None, chunk_cap: int | None = None,
-                 max_memory: int | None = None) -> None:
+    def __init__(self, *, compress: bool = False, chunk_bytes: int | None = None, chunk_cap: int | None = None) -> None:
         self.compress = compress
         self.codecs = ZSTD_CODECS if compress else RAW_CODECS
         self.chunk_bytes = chunk_bytes
         self.chunk_cap = chunk_cap
-        self.max_memory = max_memory
 
     def arrays(self, target: Target) -> list[ArrayLayout]:
         return plan_arrays(target, self.codecs, self.chunk_bytes, self.chunk_cap)
 
     def layout(self, target: Target) -> list[OutputFile]:
-        return [OutputFile(key, chunk_segments(a.name, a.meta.dtype, box, a.meta.chunk_shape))
-                for a in self.arrays(target) for key, box in a.chunks()]
+        files = []
+        for a in self.arrays(target):
+            for key, box in a.chunks():
+                f = OutputFile(key, chunk_segments(a.name, a.meta.dtype, box, a.meta.chunk_shape),
+                               encode=compress if self.compress else None)
+                f.zero_tail = a.meta.chunk_nbytes - f.size  # an edge chunk's padding
+                files.append(f)
+        return files
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
-        arrays = self.arrays(target)
-        chunks = [(staging / key, a.meta.chunk_nbytes) for a in arrays for key, _ in a.chunks()]
-        with ThreadPoolExecutor(self._sealers(max((n for _, n in chunks), default=0))) as pool:
-            for _ in pool.map(lambda c: seal_chunk(c[0], c[1], self.compress), chunks):
-                pass
-        write_metadata(LocalStore(staging), target, arrays)
-
-    def _sealers(self, largest_chunk: int) -> int:
-        """Threads compressing chunks at once (zstd releases the GIL): each holds a chunk and
-        its compressed form, and all of them fit in ``max_memory``; one without a budget."""
-        if not self.compress or not self.max_memory or not largest_chunk:
-            return 1
-        return max(1, min(os.cpu_count() or 1, 4, self.max_memory // (2 * largest_chunk)))
+        write_metadata(LocalStore(staging), target, self.arrays(target))
 
     def notices(self, target: Target) -> list[str]:
         arrays = self.arrays(target)

@@ -7,17 +7,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from reshard.formats.zarr.format import ZarrFormat, ZarrWriter
+from reshard.formats.zarr.chunks import compress
+from reshard.formats.zarr.format import ZarrFormat
 
 import reshard
 from reshard.boxes import Box
+from reshard.engine import Engine
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.pieces import OutputFile
+from reshard.sinks import FolderSink
 from tests.fixtures import full_tensor
 
 zarr = pytest.importorskip("zarr")
@@ -127,12 +132,18 @@ def test_compressed_chunks_fit_the_memory_budget(tmp_path: Path) -> None:
         assert np.prod(chunk) * 4 <= 128 * 1024 and (mesh is None or 300 % chunk[0] == 0), chunk  # shards: whole chunks
         assert any("smaller than their shards" in n for n in result.notices) == (mesh is not None)
         np.testing.assert_array_equal(zarr.open_group(store, mode="r")["w"][...], w.numpy())
-    # Chunks are compressed by several threads when the budget holds each one's chunk and its
-    # compressed form, by one when it does not.
+    # Chunks are compressed by several workers when the budget holds each one's chunk, its
+    # compressed form and a slab, by one when it does not; raw chunks take no such share.
     cores = min(os.cpu_count() or 1, 4)
-    assert ZarrWriter(compress=True, max_memory=1 << 20)._sealers(256 << 10) == min(cores, 2)
-    assert ZarrWriter(compress=True, max_memory=1 << 20)._sealers(600 << 10) == 1
-    assert ZarrWriter(compress=False, max_memory=1 << 20)._sealers(1 << 10) == 1
+
+    def workers(chunk: int, compressed: bool = True) -> tuple[int, int]:
+        files = [OutputFile("c", [b"x" * chunk], encode=compress if compressed else None)]
+        plan = SimpleNamespace(files=files, remote=False, decoded_chunk_bytes=0)
+        return Engine(1 << 20, progress=False)._workers_for(plan, FolderSink(tmp_path))  # type: ignore[arg-type]
+
+    assert workers(128 << 10) == (min(cores, 2), (1 << 20) - min(cores, 2) * (256 << 10))
+    assert workers(600 << 10) == (1, 600 << 10)
+    assert workers(1 << 10, compressed=False) == (cores, 1 << 20)
 
     big = zarr.open_group(tmp_path / "big.zarr", mode="w").create_array("w", shape=(600, 1000), chunks=(600, 1000),
                                                                         dtype="float32")

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from reshard.formats.zarr import remote as zarr_remote
 
 import reshard
+from reshard import sinks
 from reshard.errors import OutputExistsError, UsageError
 
 zarr = pytest.importorskip("zarr")
@@ -57,23 +57,30 @@ def test_memory_url_write_then_read(src, tmp_path: Path) -> None:
 def test_unfinished_remote_write_is_no_store(src, monkeypatch) -> None:
     path, _ = src
     url = "memory://reshard-test/broken.zarr"
-    real = zarr_remote._put_chunk
-    calls = []
+    real = sinks._Upload.write_at
+    calls: list[str] = []
 
-    def failing(store, key, *args):
-        calls.append(key)
+    def failing(upload, offset, data):
+        if upload.url not in calls:
+            calls.append(upload.url)
         if len(calls) == 2:
             raise OSError("connection reset")
-        return real(store, key, *args)
+        return real(upload, offset, data)
 
-    monkeypatch.setattr(zarr_remote, "_put_chunk", failing)
+    monkeypatch.setattr(sinks._Upload, "write_at", failing)
     with pytest.raises(OSError, match="connection reset"):
-        reshard.convert(path, url, quiet=True)
+        reshard.convert(path, url, max_shard_size=40, quiet=True)
     fs = fsspec.filesystem("memory")
     assert not fs.exists("/reshard-test/broken.zarr/zarr.json")  # readers see no store
+    assert fs.find("/reshard-test/broken.zarr") == []  # what was put is deleted again
+    with pytest.raises(reshard.ReshardError, match="no zarr.json at the root|no such file"):
+        reshard.formats.zarr.format.ZarrFormat().read(url)
+    monkeypatch.setattr(sinks._Upload, "write_at", real)
+    # killed outright (no cleanup): a chunk without the root zarr.json is no store, and the next
+    # write refuses it until overwrite
+    fs.pipe_file("/reshard-test/broken.zarr/model.w/c/0/0", b"x" * 8)
     with pytest.raises(reshard.ReshardError, match="no zarr.json at the root"):
         reshard.formats.zarr.format.ZarrFormat().read(url)
-    monkeypatch.setattr(zarr_remote, "_put_chunk", real)
     with pytest.raises(OutputExistsError, match="unfinished write"):
         reshard.convert(path, url, quiet=True)
     reshard.convert(path, url, overwrite=True, quiet=True)

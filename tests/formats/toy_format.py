@@ -50,7 +50,6 @@ class ToyFormat:
 
 class ToyWriter:
     output_is_dir = True
-    finish_rewrites_data = False
 
     def layout(self, target: Target) -> list[OutputFile]:
         names = ["data.bin"] if target.world_size == 1 else [f"data-{r}.bin" for r in range(target.world_size)]
