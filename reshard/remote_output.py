@@ -31,7 +31,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from reshard.catalog import Target
 from reshard.engine import REMOTE_WORKERS
 from reshard.errors import OutputExistsError, option
 from reshard.gc_pause import without_gc
@@ -39,6 +38,7 @@ from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile, Piece
 from reshard.protocol import Writer
 from reshard.storage import RemotePath, forget_cached
+from reshard.target import Target
 
 __all__ = ["write_remote", "slabs_of", "MARKERS"]
 

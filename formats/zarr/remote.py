@@ -19,13 +19,13 @@ from reshard.formats.zarr.format import ZarrWriter, write_metadata
 from reshard.formats.zarr.meta import ZARR_JSON
 from reshard.formats.zarr.store import RemoteStore
 
-from reshard.catalog import Target
 from reshard.errors import OutputExistsError, option
 from reshard.gc_pause import without_gc
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile
 from reshard.remote_output import slabs_of
 from reshard.storage import forget_cached
+from reshard.target import Target
 
 __all__ = ["write_url"]
 
