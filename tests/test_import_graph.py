@@ -190,6 +190,26 @@ def test_the_rule_sees_the_catalog_importing_upward() -> None:
     assert {"reshard.plan", "reshard.target", "reshard.mesh.sharding"} <= reached(graph, "reshard.catalog")
 
 
+def script_graph() -> dict[str, set[str]]:
+    """The benchmark scripts' imports of each other (scripts/ is on ``sys.path`` when they run,
+    so they import by bare name)."""
+    paths = {p.stem: p for p in (ROOT / "scripts").glob("*.py")}
+    return {name: {n for n in _imported(name, path, ast.parse(path.read_text()), annotations=True) if n in paths}
+            for name, path in paths.items()}
+
+
+def test_the_bench_scripts_have_no_import_circle() -> None:
+    """bench.py picks a mode and imports its module; every mode, and bench.py, measures with
+    bench_harness, which imports no benchmark module: no mode imports bench.py back."""
+    graph = script_graph()
+    assert {"bench_scale", "bench_paths", "bench_many", "bench_zarr"} <= graph["bench"], "the scan sees the modes"
+    assert circles(graph) == []
+    assert [name for name, names in graph.items() if "bench" in names] == []
+    assert graph["bench_harness"] == set()
+    graph["bench_many"].add("bench")  # planted: a mode reaching into bench.py again
+    assert circles(graph) == [["bench", "bench_many"]]
+
+
 def _string_constants(path: Path) -> set[str]:
     return {node.value for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
