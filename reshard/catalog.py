@@ -23,10 +23,8 @@ from reshard.sizes import format_size
 if TYPE_CHECKING:
     import torch
 
-    from reshard.mesh.sharding import MeshSpec, Placement
-
 __all__ = ["ChunkData", "ArrayChunkData", "Chunk", "ChunkLocator", "StoredChunks", "TensorEntry", "IndexedTensorEntry",
-           "Catalog", "NestedPath", "ObjectTable", "object_loader", "pick_objects", "TargetTensor", "Target"]
+           "Catalog", "NestedPath", "ObjectTable", "object_loader", "pick_objects"]
 
 # Where a flat name sits in the nested state dict: ("optim", "state", "0.weight", "exp_avg").
 NestedPath = tuple[str | int, ...]
@@ -291,42 +289,3 @@ class Catalog:
         (``reshard.report.CatalogReport``)."""
         return (f"Catalog({self.format!r}, {str(self.path)!r}, {len(self.tensors)} tensors, {len(self.objects)} objects, "
                 f"{format_size(self.total_bytes)})")
-
-
-@dataclass
-class TargetTensor:
-    """A tensor as the output will store it: ``boxes[i]`` is written into the file of target
-    rank ``ranks[i]`` (always 0 for layouts without a mesh). On a mesh, ``boxes`` are the
-    distinct shards (replicas once), ``local[r]`` is rank ``r``'s own shard and
-    ``placements`` say how the tensor lies over the mesh."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: DType  # a torch dtype given here is taken as its DType
-    boxes: list[Box]
-    ranks: list[int]
-    local: list[Box] | None = None
-    placements: tuple[Placement, ...] | None = None
-
-    def __post_init__(self) -> None:
-        self.dtype = dtypes.of(self.dtype)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel for b in self.boxes) * self.dtype.itemsize
-
-
-@dataclass
-class Target:
-    """What an output will hold, before any byte moves: writers lay files out from this."""
-
-    tensors: dict[str, TargetTensor]
-    objects: MutableMapping[str, Any]  # a dict, or an ObjectTable read lazily
-    paths: dict[str, NestedPath]
-    attrs: dict[str, Any]
-    world_size: int = 1
-    mesh: MeshSpec | None = None
-    notices: list[str] = field(default_factory=list)  # what the layout dropped or changed
-
-    def nested_path(self, name: str) -> NestedPath:
-        return self.paths.get(name, (name,))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from reshard.catalog import Catalog, Target, pick_objects
+from reshard.catalog import Catalog, pick_objects
 from reshard.conventions import Layout, detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
@@ -40,6 +40,7 @@ from reshard.protocol import Writer
 from reshard.sinks import FolderSink, OutputSink, RemoteSink, StagedSink
 from reshard.sizes import format_size, preview
 from reshard.sources import local_path, resolve_source
+from reshard.target import Target
 
 __all__ = ["ConvertResult", "convert", "build_target", "write_output", "default_destination", "source_files"]
 

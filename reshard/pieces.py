@@ -26,7 +26,7 @@ from reshard.boxes import Box
 from reshard.dtypes import DType
 
 if TYPE_CHECKING:
-    from reshard.catalog import Target
+    from reshard.target import Target
 
 __all__ = ["Piece", "OutputFile", "Segment", "segment_size", "PieceTable", "SegmentTable"]
 

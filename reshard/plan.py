@@ -18,18 +18,7 @@ import numpy as np
 
 from reshard.boxes import Box, full_box
 from reshard.byte_runs import Gathered, LayoutColumns, gather_plan
-from reshard.catalog import (
-    Catalog,
-    Chunk,
-    IndexedTensorEntry,
-    NestedPath,
-    ObjectTable,
-    Target,
-    TargetTensor,
-    TensorEntry,
-    object_loader,
-    pick_objects,
-)
+from reshard.catalog import Catalog, Chunk, IndexedTensorEntry, NestedPath, ObjectTable, TensorEntry, object_loader, pick_objects
 from reshard.conventions import PARAM, Layout, detect_layout
 from reshard.dtypes import DType
 from reshard.errors import UsageError, option
@@ -37,6 +26,7 @@ from reshard.pieces import OutputFile, Piece, SegmentTable, segment_size
 from reshard.sizes import plural
 from reshard.storage import RemotePath
 from reshard.structure import CONTAINERS_ATTR
+from reshard.target import Target, TargetTensor
 
 __all__ = ["Plan", "PieceSources", "Source", "Casting", "DtypeKeep", "full_target", "make_plan", "model_section", "select",
            "sources_for"]

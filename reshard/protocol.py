@@ -26,9 +26,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
-from reshard.catalog import Catalog, Target
+from reshard.catalog import Catalog
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile
+from reshard.target import Target
 
 __all__ = ["Format", "Writer"]
 

@@ -43,9 +43,9 @@ from reshard.staging import StagedOutput
 from reshard.storage import RemotePath, forget_cached
 
 if TYPE_CHECKING:
-    from reshard.catalog import Target
     from reshard.pieces import OutputFile
     from reshard.protocol import Writer
+    from reshard.target import Target
 
 __all__ = ["SinkFile", "Sink", "OutputSink", "FolderSink", "StagedSink", "RemoteSink", "MARKERS"]
 

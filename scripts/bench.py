@@ -48,117 +48,54 @@ path, --dtype, re-layouts, key maps, zarr --compress, MoE and FP8 exports, again
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_harness import (  # noqa: E402
+    CP,
+    IMPORT_TORCH,
+    MIB,
+    RESHARD_STARTUP,
+    TORCH_DCP,
+    Command,
+    Context,
+    Row,
+    cp_command,
+    damon_pageout,
+    environment,
+    format_cell,
+    import_torch_command,
+    measure,
+    print_checks,
+    print_table,
+    reshard_argv,
+    rss_probe,
+    select_rows,
+    summarize,
+    torch_dcp_command,
+    warm_read,
+)
+from bench_zarr import print_throughput, zarr_rows  # noqa: E402
 from make_bench_ckpt import WORLD_SIZE, default_ckpt_path, ensure_checkpoint  # noqa: E402
 
-MIB = 2**20
 WORK_TARGET = 1.5  # DCP -> safetensors work / cp wall
 WHOLE_TARGET = 1.5  # DCP -> safetensors whole-process wall / cp wall, paired by round (torch not imported)
 INSPECT_TARGET_S = 0.3  # reshard inspect of the source, whole process
 RESHARD_INSPECT = "reshard inspect"
-RESHARD_STARTUP = "reshard start-up (--help)"
 RSS_TARGET_MIB = 384  # peak RSS above import torch
-IMPORT_TORCH = "import torch"
-CP = "cp -r"
-TORCH_DCP = "torch dcp_to_torch"
 RESHARD_ST = "reshard -> safetensors"
 MESH_TARGET = 2.0  # DCP 4 ranks -> --to-mesh 4x8 work / cp wall
 RESHARD_MESH = "reshard -> dcp 4x8"
 RESHARD_MESH_2 = "reshard -> dcp 4x8 torchrun x2"
-
-# ----------------------------------------------------------------------------- data model
-
-
-@dataclass(frozen=True)
-class RssProbe:
-    """A small wrapper process that runs a command and writes its wait4 rusage to a file."""
-
-    name: str
-    prefix: Callable[[Path], list[str]]  # stats file -> argv to put before the command
-
-
-@dataclass(frozen=True)
-class Context:
-    """What a row's command builder may use."""
-
-    src: Path
-    scratch: Path  # emptied before every run
-    python: str
-    reshard: tuple[str, ...]
-    max_memory: str
-    probe: RssProbe
-
-
-@dataclass(frozen=True)
-class Command:
-    argv: list[str]
-    output: Path | None = None  # must exist after a successful run (catches silent no-ops)
-    stdout: Path | None = None  # the child's stdout goes here (stderr to the log); else both to the log
-    sources: tuple[Path, ...] | None = None  # files/dirs read before the run to warm the cache; None: the
-    #                                          context's source and the run's zarr stores
-    check: Callable[[], str | None] | None = None  # after exit 0: why the output is wrong, or None
-
-
-@dataclass(frozen=True)
-class Row:
-    name: str
-    build: Callable[[Context], Command]
-    kind: Literal["python", "bytes"] = "python"  # python rows get the start-up subtracted
-    required: bool = False  # a failing required row (reshard) fails the benchmark
-
-
-@dataclass(frozen=True)
-class RunResult:
-    wall: float
-    cpu: float
-    maxrss_kib: int
-    returncode: int
-    log_tail: str
-
-
-@dataclass
-class Measurement:
-    """All runs of one row; medians are what the table shows."""
-
-    name: str
-    kind: str
-    required: bool
-    argv: list[str] = field(default_factory=list)
-    walls: list[float] = field(default_factory=list)
-    cpus: list[float] = field(default_factory=list)
-    rss_kib: list[int] = field(default_factory=list)
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and bool(self.walls)
-
-    @property
-    def wall(self) -> float:
-        return statistics.median(self.walls)
-
-    @property
-    def cpu(self) -> float:
-        return statistics.median(self.cpus)
-
-    @property
-    def rss_mib(self) -> float:
-        return statistics.median(self.rss_kib) / 1024
 
 
 # ----------------------------------------------------------------------------------- rows
@@ -185,14 +122,6 @@ _load_state_dict(sd, storage_reader=FileSystemReader(sys.argv[1]),
 os.makedirs(sys.argv[2], exist_ok=True)
 save_torch_state_dict(dict(flat(sd)), sys.argv[2])
 """
-
-
-def _import_torch(c: Context) -> Command:
-    return Command([c.python, "-c", "import torch"])
-
-
-def _cp(c: Context) -> Command:
-    return Command(["cp", "-r", str(c.src), str(c.scratch / "copy")], c.scratch / "copy")
 
 
 def _reshard_startup(c: Context) -> Command:
@@ -227,238 +156,25 @@ def _reshard_to_mesh(ranks: int) -> Callable[[Context], Command]:
     return build
 
 
-def _torch_dcp_to_torch(c: Context) -> Command:
-    # torch's CLI prints "No checkpoint found" and exits 0 on a bad path: the output check catches it.
-    out = c.scratch / "out2.pt"
-    return Command([c.python, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", str(c.src), str(out)],
-                   out)
-
-
 def _hf_save_torch_state_dict(c: Context) -> Command:
     out = c.scratch / "hf"
     return Command([c.python, "-c", _HF_SNIPPET, str(c.src), str(out)], out / "model.safetensors")
 
 
 ROWS: list[Row] = [
-    Row(IMPORT_TORCH, _import_torch),
-    Row(CP, _cp, kind="bytes"),
+    Row(IMPORT_TORCH, import_torch_command),
+    Row(CP, cp_command, kind="bytes"),
     Row(RESHARD_STARTUP, _reshard_startup, required=True),
     Row(RESHARD_INSPECT, _reshard_inspect, required=True),
     Row(RESHARD_ST, _reshard_to("safetensors", ".safetensors"), required=True),
     Row("reshard -> torch", _reshard_to("torch", ".pt"), required=True),
     Row(RESHARD_MESH, _reshard_to_mesh(1), required=True),
     Row(RESHARD_MESH_2, _reshard_to_mesh(2), required=True),
-    Row(TORCH_DCP, _torch_dcp_to_torch),
+    Row(TORCH_DCP, torch_dcp_command),
     Row("hf save_torch_state_dict", _hf_save_torch_state_dict),
 ]
-# zarr write and read rows, next to DCP's (scripts/bench_zarr.py)
-from bench_zarr import print_throughput, zarr_rows  # noqa: E402
-
-ROWS += zarr_rows(Row, Command)
+ROWS += zarr_rows()  # zarr write and read rows, next to DCP's (scripts/bench_zarr.py)
 FLAT_ROWS: list[Row] = [r for r in ROWS if r.name in (IMPORT_TORCH, RESHARD_ST)]
-
-
-# -------------------------------------------------------------------------------- running
-
-_LAUNCHER = """\
-import os, sys, time
-t = time.perf_counter()
-pid = os.posix_spawnp(sys.argv[2], sys.argv[2:], os.environ)
-_, status, ru = os.wait4(pid, 0)
-wall = time.perf_counter() - t
-with open(sys.argv[1], "w") as f:
-    f.write(f"{wall} {ru.ru_utime + ru.ru_stime} {ru.ru_maxrss}\\n")
-sys.exit(os.waitstatus_to_exitcode(status) % 256)
-"""
-_GNU_TIME = Path("/usr/bin/time")
-
-
-def rss_probe() -> RssProbe:
-    """``/usr/bin/time`` (~2 MiB of its own) where installed, else the python launcher
-    (~8 MiB floor: only the ``cp`` row's figure notices)."""
-    if _GNU_TIME.is_file() and os.access(_GNU_TIME, os.X_OK):
-        return RssProbe("/usr/bin/time", lambda stats: [str(_GNU_TIME), "-f", "%e %U %S %M", "-o", str(stats)])
-    return RssProbe("python -S wait4 launcher (apt-get install -y time for /usr/bin/time)",
-                    lambda stats: [sys.executable, "-S", "-I", "-c", _LAUNCHER, str(stats)])
-
-
-def _parse_stats(stats: Path, probe: RssProbe) -> tuple[float | None, float, int]:
-    """(inner wall or None, cpu s, maxrss KiB) from the probe's last line; zeros if absent."""
-    try:
-        fields = stats.read_text().strip().splitlines()[-1].split()
-        if probe.name == "/usr/bin/time":  # "%e %U %S %M"; %e has 10 ms resolution: not used
-            return None, float(fields[1]) + float(fields[2]), int(fields[3])
-        return float(fields[0]), float(fields[1]), int(fields[2])
-    except (OSError, IndexError, ValueError):
-        return None, 0.0, 0
-
-
-def run_measured(argv: Sequence[str], cwd: Path, log: Path, probe: RssProbe, stdout: Path | None = None) -> RunResult:
-    """Run ``argv`` to completion under ``probe``: wall time, CPU time and peak RSS.
-    Its stdout goes to ``stdout`` when given (stderr still to ``log``), else to ``log``."""
-    stats = log.with_suffix(".rusage")
-    with open(log, "wb") as logf, open(stdout, "wb") if stdout else contextlib.nullcontext(logf) as outf:
-        start = time.perf_counter()
-        proc = subprocess.Popen([*probe.prefix(stats), *argv], cwd=cwd, stdin=subprocess.DEVNULL,
-                                stdout=outf, stderr=logf if stdout else subprocess.STDOUT)
-        try:
-            returncode = proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        wall = time.perf_counter() - start
-    inner_wall, cpu, maxrss = _parse_stats(stats, probe)
-    tail = log.read_bytes()[-4000:].decode(errors="replace").strip()
-    return RunResult(wall if inner_wall is None else inner_wall, cpu, maxrss, returncode, tail)
-
-
-def warm_read(path: Path) -> int:
-    """Read every file under ``path`` once (the page cache cannot be dropped without root)."""
-    total = 0
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while chunk := fh.read(16 * MIB):
-                total += len(chunk)
-    return total
-
-
-def _clear(d: Path) -> None:
-    """Empty ``d`` and flush dirty pages, so no run pays for an earlier run's writeback."""
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir(parents=True)
-    os.sync()
-
-
-def _failure(res: RunResult, cmd: Command) -> str | None:
-    last = res.log_tail.splitlines()[-1] if res.log_tail else "no output"
-    if res.returncode != 0:
-        return f"exit {res.returncode}: {last}"
-    if cmd.output is not None and not cmd.output.exists():
-        return f"exit 0 but wrote no {cmd.output.name} ({last})"
-    why = cmd.check() if cmd.check is not None else None
-    return None if why is None else f"exit 0 but {why}"
-
-
-def _log_name(row: Row, rep: int) -> str:
-    return "".join(ch if ch.isalnum() else "_" for ch in row.name) + f".{rep}.log"
-
-
-def measure(rows: Sequence[Row], ctx: Context, repeats: int, logdir: Path) -> list[Measurement]:
-    """Run every row ``repeats`` times, round-robin, each in an emptied scratch dir.
-
-    A row that fails once is not run again; a required row's failure keeps its log tail.
-    """
-    results = [Measurement(r.name, r.kind, r.required) for r in rows]
-    for rep in range(repeats):
-        for row, m in zip(rows, results):
-            if m.error is not None:
-                continue
-            _clear(ctx.scratch)
-            cmd = row.build(ctx)
-            sources = cmd.sources if cmd.sources is not None else (ctx.src, *ctx.scratch.parent.glob("*.zarr"))
-            for warm in sources:
-                warm_read(warm)  # again before each run: page-cache pages can be evicted meanwhile
-            m.argv = cmd.argv
-            log = logdir / _log_name(row, rep)
-            res = run_measured(cmd.argv, ctx.scratch, log, ctx.probe, cmd.stdout)
-            m.error = _failure(res, cmd)
-            if m.error is None:
-                m.walls.append(res.wall)
-                m.cpus.append(res.cpu)
-                m.rss_kib.append(res.maxrss_kib)
-            state = "ok" if m.error is None else f"FAILED {m.error}"
-            print(f"  [{rep + 1}/{repeats}] {row.name:<26} {res.wall:7.2f}s {res.maxrss_kib / 1024:7.0f} MiB  {state}",
-                  file=sys.stderr, flush=True)
-            if m.error is not None and row.required:
-                m.error += f"\n    log: {log}\n    " + "\n    ".join(res.log_tail.splitlines()[-15:])
-    _clear(ctx.scratch)
-    return results
-
-
-# ------------------------------------------------------------------------------ reporting
-
-
-def work(m: Measurement, base: Measurement | None, own: Measurement | None = None) -> float | None:
-    """The wall for byte copies; for Python rows the wall minus their start-up: reshard's own
-    (``--help``: it imports torch only where a command casts or loads into a model) for
-    reshard rows, the bare import-torch wall for the peers."""
-    if m.kind == "bytes":
-        return m.wall
-    if m is own or m is base:
-        return None
-    start = own if m.name.startswith("reshard") else base
-    return None if start is None else m.wall - start.wall
-
-
-def rss_above(m: Measurement, base: Measurement | None) -> float | None:
-    if m.kind == "bytes" or base is None or m is base:
-        return None
-    return m.rss_mib - base.rss_mib
-
-
-def paired_over(m: Measurement, base: Measurement | None) -> float | None:
-    """Median over rounds of ``m``'s wall / ``base``'s wall in the same round: rows run
-    round-robin, so each ratio compares runs seconds apart (this VM's write-back varies cp's
-    wall by several times between rounds, and a ratio of medians mixes rounds)."""
-    if base is None or m is base:
-        return None
-    if len(m.walls) != len(base.walls):
-        return m.wall / base.wall
-    return statistics.median(a / b for a, b in zip(m.walls, base.walls))
-
-
-def summarize(results: Sequence[Measurement]) -> list[dict[str, Any]]:
-    """One JSON-ready dict per row: medians, derived columns and the raw runs."""
-    ok = {m.name: m for m in results if m.ok}
-    base, cp, tdcp, own = ok.get(IMPORT_TORCH), ok.get(CP), ok.get(TORCH_DCP), ok.get(RESHARD_STARTUP)
-    tdcp_work = work(tdcp, base) if tdcp else None
-    rows: list[dict[str, Any]] = []
-    for m in results:
-        row: dict[str, Any] = {"name": m.name, "argv": m.argv, "error": m.error}
-        if m.ok:
-            w = work(m, base, own)
-            row.update(
-                wall_s=m.wall, cpu_s=m.cpu, work_s=w, peak_rss_mib=m.rss_mib, rss_above_import_mib=rss_above(m, base),
-                work_over_cp_wall=None if w is None or cp is None else w / cp.wall,
-                wall_over_cp_paired=paired_over(m, cp),
-                work_over_torch_dcp_work=None if w is None or not tdcp_work else w / tdcp_work,
-                walls_s=m.walls, cpus_s=m.cpus, peak_rss_kib=m.rss_kib,
-            )
-        rows.append(row)
-    return rows
-
-
-def _fmt(x: float | None, spec: str) -> str:
-    """``x`` formatted by ``spec`` (e.g. "8.2f"), or a dash of the same width."""
-    return "-".rjust(int(spec.split(".")[0] or 0)) if x is None else format(x, spec)
-
-
-# (header, summary key, format spec) for every numeric column, in order.
-COLUMNS: list[tuple[str, str, str]] = [
-    ("wall s", "wall_s", "8.2f"),
-    ("cpu s", "cpu_s", "8.2f"),
-    ("work s", "work_s", "8.2f"),
-    ("peak RSS MiB", "peak_rss_mib", "13.0f"),
-    ("RSS>torch MiB", "rss_above_import_mib", "14.0f"),
-    ("work/cp", "work_over_cp_wall", "8.2f"),
-    ("wall/cp", "wall_over_cp_paired", "8.2f"),
-    ("vs torch dcp", "work_over_torch_dcp_work", "13.2f"),
-]
-
-
-def print_table(summary: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]] = COLUMNS,
-                width: int = 26) -> None:
-    """One line per row: its name in ``width`` characters, then ``columns`` (see COLUMNS)."""
-    head = f"{'command':<{width}}" + "".join(f" {h:>{int(s.split('.')[0])}}" for h, _, s in columns)
-    print(head)
-    print("-" * len(head))
-    for r in summary:
-        if r["error"] is not None:
-            print(f"{r['name']:<{width}} unavailable: {r['error'].splitlines()[0]}")
-        else:
-            print(f"{r['name']:<{width}}" + "".join(f" {_fmt(r[k], s)}" for _, k, s in columns))
 
 
 def acceptance(summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -504,61 +220,7 @@ def acceptance(summary: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return checks
 
 
-def print_checks(checks: Sequence[dict[str, Any]]) -> None:
-    print("\nacceptance:")
-    for c in checks:
-        print(f"  {'INFO' if c['target'] is None else 'PASS' if c['ok'] else 'FAIL'}  {c['text']}")
-    if not checks:
-        print("  (no reshard row ran)")
-
-
-def damon_pageout() -> bool:
-    """Whether the kernel's DAMON is paging out cold memory (some VMs run it): then page-cache
-    pages of the source can be evicted between runs, "warm cache" does not hold, and walls of
-    every row (cp included) vary by several times from run to run."""
-    root = Path("/sys/kernel/mm/damon/admin/kdamonds")
-    try:
-        return any((k / "state").read_text().strip() == "on"
-                   and any(a.read_text().strip() == "pageout" for a in k.glob("contexts/*/schemes/*/action"))
-                   for k in root.iterdir() if k.name.isdigit())
-    except OSError:
-        return False
-
-
-def environment(ctx: Context, repeats: int) -> dict[str, Any]:
-    import torch  # only for its version; every measured child imports its own
-
-    return {
-        "repeats": repeats, "statistic": "median", "max_memory": ctx.max_memory, "rss_probe": ctx.probe.name,
-        "cache": "warm (source read once before measuring; page cache not dropped)",
-        "work": "wall - wall(python -c 'import torch') for python rows; wall for cp",
-        "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "platform": platform.platform(), "reshard": list(ctx.reshard), "damon_pageout": damon_pageout(),
-    }
-
-
 # ----------------------------------------------------------------------------------- main
-
-
-def reshard_argv() -> tuple[str, ...]:
-    """The console script beside this interpreter (a pyenv shim on PATH would add its own
-    start-up to every run), else whatever ``reshard`` is on PATH."""
-    beside = Path(sys.executable).parent / "reshard"
-    if beside.is_file():
-        return (str(beside),)
-    found = shutil.which("reshard")
-    if found is None:
-        sys.exit("bench: no `reshard` command found (pip install -e .)")
-    return (found,)
-
-
-def _select(rows: Sequence[Row], only: str | None) -> list[Row]:
-    """Rows whose name contains one of the comma-separated ``only`` words, plus the
-    baselines the derived columns need (import torch, reshard's start-up, cp)."""
-    if not only:
-        return list(rows)
-    words = [w.strip() for w in only.split(",") if w.strip()]
-    return [r for r in rows if r.name in (IMPORT_TORCH, CP, RESHARD_STARTUP) or any(w in r.name for w in words)]
 
 
 def _context(size_mb: float, ckpt: Path | None, workdir: Path, max_memory: str) -> tuple[Context, int]:
@@ -571,7 +233,7 @@ def _context(size_mb: float, ckpt: Path | None, workdir: Path, max_memory: str) 
 
 def run_table(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], int]:
     ctx, nbytes = _context(args.size_mb, args.ckpt, workdir, args.max_memory)
-    results = measure(_select(ROWS, args.only), ctx, args.repeats, workdir / "logs")
+    results = measure(select_rows(ROWS, args.only), ctx, args.repeats, workdir / "logs")
     summary = summarize(results)
     checks = acceptance(summary)
     print(f"\nDCP {ctx.src} ({nbytes / MIB:.0f} MiB, {WORLD_SIZE} ranks, fp32) | WARM cache | "
@@ -627,7 +289,7 @@ def run_flat_check(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, A
             continue
         peaks.append(r["peak_rss_mib"])
         print(f"  {label}: peak RSS {r['peak_rss_mib']:6.0f} MiB, above import torch "
-              f"{_fmt(r['rss_above_import_mib'], '5.0f')} MiB, wall {r['wall_s']:.2f}s")
+              f"{format_cell(r['rss_above_import_mib'], '5.0f')} MiB, wall {r['wall_s']:.2f}s")
     growth = peaks[1] - peaks[0] if len(peaks) == 2 else None
     if growth is not None:
         print(f"  peak RSS growth for {args.size_factor:g}x the data: {growth:+.0f} MiB")
@@ -679,7 +341,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _mode(args: argparse.Namespace) -> Callable[[argparse.Namespace, Path], tuple[dict[str, Any], int]]:
-    # Imported here: bench_scale and bench_paths import this module for its machinery.
+    # Imported when chosen: a mode's module brings its own checkpoint generators and peers.
     if args.scale:
         from bench_scale import run_scale
         return run_scale

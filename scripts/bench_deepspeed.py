@@ -5,7 +5,8 @@ Source: a real ZeRO-3 checkpoint of a Llama (default ~99M parameters, fp32 maste
 moments: ~1.2 GB) written by DeepSpeed itself on 2 gloo CPU ranks (one training step, then
 ``engine.save_checkpoint``), made with DeepSpeed's venv python (``--deepspeed-python``) and
 cached under ``.bench/deepspeed_zero3_<h>x<layers>/`` (git-ignored). The machinery (child
-processes, ``wait4`` peak RSS, warm cache, medians) is ``scripts/bench.py``'s; rows:
+processes, ``wait4`` peak RSS, warm cache, medians) is ``scripts/bench.py``'s, from
+``scripts/bench_harness.py``; rows:
 
 * ``import torch``: the start-up every Python row pays (the baseline of "RSS>torch");
 * ``reshard --only model``: ``reshard convert global_stepN/ out.safetensors --only model
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import (  # noqa: E402
+from bench_harness import (  # noqa: E402
     CP,
     IMPORT_TORCH,
     MIB,

@@ -22,8 +22,26 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import bench
-from bench import Command, Context, Row
+from bench_harness import (
+    CP,
+    IMPORT_TORCH,
+    TORCH_DCP,
+    Command,
+    Context,
+    Row,
+    cp_command,
+    environment,
+    import_torch_command,
+    measure,
+    print_checks,
+    print_table,
+    reshard_argv,
+    rss_probe,
+    select_rows,
+    summarize,
+    torch_dcp_command,
+    warm_read,
+)
 from bench_paths import budget_mib
 from make_many_tensors_ckpt import default_many_path, ensure_many_tensors_checkpoint
 
@@ -57,9 +75,9 @@ def many_rows() -> list[Row]:
         out = c.scratch / "out.safetensors"
         return Command([*c.reshard, "convert", str(c.src), str(out), "--max-memory", c.max_memory, "--quiet"], out)
 
-    return [Row(bench.IMPORT_TORCH, bench._import_torch), Row(bench.CP, bench._cp, kind="bytes"),
+    return [Row(IMPORT_TORCH, import_torch_command), Row(CP, cp_command, kind="bytes"),
             Row(READ_METADATA, read_metadata), Row(INSPECT, inspect, required=True), Row(MESH, mesh, required=True),
-            Row(TO_ST, to_st, required=True), Row(bench.TORCH_DCP, bench._torch_dcp_to_torch)]
+            Row(TO_ST, to_st, required=True), Row(TORCH_DCP, torch_dcp_command)]
 
 
 def many_checks(summary: list[dict[str, Any]], max_memory: str) -> list[dict[str, Any]]:
@@ -78,8 +96,8 @@ def many_checks(summary: list[dict[str, Any]], max_memory: str) -> list[dict[str
         checks.append({"name": "--to-mesh 4 peak RSS above import torch", "value": y, "target": limit, "ok": y <= limit,
                        "text": f"--to-mesh 4 peak RSS above import torch = {y:.0f} MiB (target <= {limit:.0f}: "
                                f"--max-memory + {OVER_BUDGET_MIB})"})
-    if bench.TORCH_DCP in ok:
-        peer = ok[bench.TORCH_DCP]["peak_rss_mib"]
+    if TORCH_DCP in ok:
+        peer = ok[TORCH_DCP]["peak_rss_mib"]
         for name in (MESH, TO_ST):
             if name in ok:
                 y = ok[name]["peak_rss_mib"]
@@ -91,18 +109,18 @@ def many_checks(summary: list[dict[str, Any]], max_memory: str) -> list[dict[str
 
 def run_many(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], int]:
     src = ensure_many_tensors_checkpoint(default_many_path())
-    nbytes = bench.warm_read(src)
-    ctx = Context(src, workdir / "scratch", sys.executable, bench.reshard_argv(), args.max_memory, bench.rss_probe())
-    results = bench.measure(bench._select(many_rows(), args.only), ctx, args.repeats, workdir / "logs")
-    summary = bench.summarize(results)
+    nbytes = warm_read(src)
+    ctx = Context(src, workdir / "scratch", sys.executable, reshard_argv(), args.max_memory, rss_probe())
+    results = measure(select_rows(many_rows(), args.only), ctx, args.repeats, workdir / "logs")
+    summary = summarize(results)
     print(f"\nDCP {src} (103,680 tensors, {nbytes / 2**20:.0f} MiB, 2 ranks) | WARM cache | median of "
           f"{args.repeats} run(s) | --max-memory {args.max_memory}")
-    bench.print_table(summary)
+    print_table(summary)
     checks = many_checks(summary, args.max_memory)
-    bench.print_checks(checks)
+    print_checks(checks)
     failed = [m for m in results if m.required and not m.ok]
     for m in failed:
         print(f"\nreshard FAILED: {m.name}: {m.error}")
     missed = args.strict and not all(c["ok"] for c in checks)
-    return {"mode": "many", "src": str(src), "env": bench.environment(ctx, args.repeats), "rows": summary,
+    return {"mode": "many", "src": str(src), "env": environment(ctx, args.repeats), "rows": summary,
             "acceptance": checks}, 1 if failed or missed else 0

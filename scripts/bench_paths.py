@@ -49,8 +49,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import bench
-from bench import Command, Context, Row
+from bench_harness import (
+    IMPORT_TORCH,
+    Command,
+    Context,
+    Row,
+    environment,
+    measure,
+    print_checks,
+    print_table,
+    reshard_argv,
+    rss_probe,
+    select_rows,
+    summarize,
+)
 from make_bench_ckpt import default_ckpt_path, ensure_checkpoint, solve_dims
 from make_fp8_ckpt import default_fp8_path, ensure_fp8_checkpoint
 from make_moe_ckpt import config_dir, default_moe_path, ensure_moe_checkpoint
@@ -184,7 +196,7 @@ def ensure_lora_pair(dcp: Path) -> Path:
     if (out / "adapter" / "adapter_config.json").is_file():
         return out
     cfg = _write_llama_config(dcp, out / "cfg")
-    subprocess.run([*bench.reshard_argv(), "convert", str(dcp), str(out / "base"), "--to", "hf", "--config", str(cfg),
+    subprocess.run([*reshard_argv(), "convert", str(dcp), str(out / "base"), "--to", "hf", "--config", str(cfg),
                     "--overwrite", "--quiet"], check=True, capture_output=True, timeout=3600)
     generator = torch.Generator().manual_seed(0)
     tensors = {}
@@ -422,7 +434,7 @@ def path_rows(src: Sources) -> list[PathRow]:
 
     i15, i14, i18, i33 = "issue 15", "issue 14", "issue 18", "issue 33"
     return [
-        PathRow(Row(bench.IMPORT_TORCH, lambda c: Command([c.python, "-c", "import torch"], sources=())), (), None,
+        PathRow(Row(IMPORT_TORCH, lambda c: Command([c.python, "-c", "import torch"], sources=())), (), None,
                 "baseline"),
         PathRow(Row(DTYPE, dtype, required=True), ("dcp",), "dtype", f"{i15} acc. 3: --dtype casting"),
         PathRow(Row(TORCH_CAST, torch_cast), ("dcp",), None, f"peer of {DTYPE}"),
@@ -497,18 +509,18 @@ _COLUMNS = [("wall s", "wall_s", "8.2f"), ("cpu s", "cpu_s", "8.2f"), ("work s",
 def run_paths(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], int]:
     src = Sources(args.size_mb, args.ckpt)
     every = path_rows(src)
-    chosen = {r.name for r in bench._select([p.row for p in every], args.only)}
+    chosen = {r.name for r in select_rows([p.row for p in every], args.only)}
     rows = [p for p in every if p.row.name in chosen]
     needed = sorted({n for p in rows for n in p.needs})
     paths = {n: getattr(src, n) for n in needed}  # made or found cached before anything is measured
     src_bytes = {n: _tree_bytes(p) for n, p in paths.items()}
-    probe, reshard = bench.rss_probe(), bench.reshard_argv()
+    probe, reshard = rss_probe(), reshard_argv()
     ctx = Context(paths.get("dcp", workdir), workdir / "scratch", sys.executable, reshard, args.max_memory, probe)
     budget = budget_mib(args.max_memory)
     load_before = os.getloadavg()
-    results = bench.measure([p.row for p in rows], ctx, args.repeats, workdir / "logs")
+    results = measure([p.row for p in rows], ctx, args.repeats, workdir / "logs")
     load_after = os.getloadavg()
-    summary = bench.summarize(results)
+    summary = summarize(results)
     annotate(summary, rows, budget, src_bytes)
     checks = path_checks(summary, rows, budget)
     print(f"\nmemory paths | --max-memory {args.max_memory} | WARM cache | median of {args.repeats} run(s) | "
@@ -517,14 +529,14 @@ def run_paths(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
     for n, p in paths.items():
         print(f"  {n}: {p} ({src_bytes[n] / MIB:.0f} MiB)")
     print("work = wall - wall(python -c 'import torch'); target: peak RSS above import torch; MiB/s: source MiB / work s\n")
-    bench.print_table(summary, _COLUMNS, width=34)
-    bench.print_checks(checks)
+    print_table(summary, _COLUMNS, width=34)
+    print_checks(checks)
     print("  INFO  runtime (reshard.load_model into live FSDP2 ranks): python scripts/bench_load.py "
           "(its own rows and targets; also run at the end of the default bench.py table)")
     failed = [m for m in results if m.required and not m.ok]
     for m in failed:
         print(f"\nreshard FAILED: {m.name}: {m.error}")
-    env = bench.environment(ctx, args.repeats)
+    env = environment(ctx, args.repeats)
     env["load_average"] = {"before": load_before, "after": load_after}
     missed = args.strict and not all(c["ok"] for c in checks)
     report = {"mode": "paths", "sources": {n: {"path": str(p), "bytes": src_bytes[n]} for n, p in paths.items()},

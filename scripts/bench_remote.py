@@ -25,8 +25,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench
-from bench import Command, Context, Row
+from bench_harness import (
+    COLUMNS,
+    IMPORT_TORCH,
+    Command,
+    Context,
+    Row,
+    import_torch_command,
+    measure,
+    print_checks,
+    print_table,
+    reshard_argv,
+    rss_probe,
+    summarize,
+)
 from make_bench_ckpt import default_ckpt_path, ensure_checkpoint
 
 __all__ = ["remote_rows", "run_remote"]
@@ -68,7 +80,7 @@ def remote_rows() -> list[Row]:
                 "--overwrite", "--quiet"]
         return Command(argv, None, sources=())
 
-    return [Row(bench.IMPORT_TORCH, bench._import_torch), Row(S3_GET, s3_get, kind="bytes"),
+    return [Row(IMPORT_TORCH, import_torch_command), Row(S3_GET, s3_get, kind="bytes"),
             Row(TORCH_FSSPEC, torch_fsspec), Row(TO_ST, to_st, required=True), Row(TO_MESH, to_mesh, required=True)]
 
 
@@ -104,14 +116,14 @@ def run_remote(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any],
         fs.put(str(src) + "/", "bench/ckpt/", recursive=True)
         nbytes = sum(p.stat().st_size for p in src.iterdir())
         print(f"uploaded {nbytes / 2**20:.0f} MiB to {URL} in {time.perf_counter() - started:.1f}s", file=sys.stderr)
-        ctx = Context(src, workdir / "scratch", sys.executable, bench.reshard_argv(), args.max_memory, bench.rss_probe())
-        results = bench.measure(remote_rows(), ctx, args.repeats, workdir / "logs")
+        ctx = Context(src, workdir / "scratch", sys.executable, reshard_argv(), args.max_memory, rss_probe())
+        results = measure(remote_rows(), ctx, args.repeats, workdir / "logs")
     finally:
         server.stop()
-    summary = bench.summarize(results)
+    summary = summarize(results)
     print(f"\nDCP {src} on a local S3 emulator ({nbytes / 2**20:.0f} MiB) | median of {args.repeats} run(s) | "
           f"--max-memory {args.max_memory}")
-    bench.print_table(summary, bench.COLUMNS[:5])
+    print_table(summary, COLUMNS[:5])
     ok = {r["name"]: r for r in summary if r["error"] is None}
     checks = []
     for name in (TO_ST, TO_MESH):
@@ -125,7 +137,7 @@ def run_remote(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any],
                            "ok": a["peak_rss_mib"] <= b["peak_rss_mib"],
                            "text": f"{name}: wall {a['wall_s']:.2f}s, peak RSS {a['peak_rss_mib']:.0f} MiB vs torch "
                                    f"FsspecReader {b['wall_s']:.2f}s, {b['peak_rss_mib']:.0f} MiB"})
-    bench.print_checks(checks)
+    print_checks(checks)
     failed = [m for m in results if m.required and not m.ok]
     for m in failed:
         print(f"\nreshard FAILED: {m.name}: {m.error}")

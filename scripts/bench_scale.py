@@ -31,8 +31,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import bench
-from bench import Command, Context, Row
+from bench_harness import (
+    IMPORT_TORCH,
+    Command,
+    Context,
+    Measurement,
+    Row,
+    environment,
+    format_cell,
+    measure,
+    print_checks,
+    print_table,
+    reshard_argv,
+    rss_probe,
+    summarize,
+)
 from make_meta_ckpt import chunk_count, default_meta_path, ensure_meta_checkpoint, tensors
 
 __all__ = ["MESH", "scale_rows", "growth_exponent", "predict_peak_mib", "scale_checks", "run_scale"]
@@ -125,7 +138,7 @@ def _dry_run(c: Context) -> Command:
 
 def scale_rows(n_tensors: int) -> list[Row]:
     return [
-        Row(bench.IMPORT_TORCH, lambda c: Command([c.python, "-c", "import torch"], sources=())),
+        Row(IMPORT_TORCH, lambda c: Command([c.python, "-c", "import torch"], sources=())),
         Row(TORCH_READ, _torch_read(n_tensors)),
         Row(INSPECT_JSON, _inspect(json_out=True), required=True),
         Row(INSPECT_MESH_JSON, _inspect("--to-mesh", MESH, json_out=True), required=True),
@@ -231,7 +244,7 @@ def _print_size(entry: dict[str, Any], repeats: int) -> None:
     print(f"\n{entry['ranks']} ranks: {entry['src']} ({entry['chunks']:,} chunks, .metadata "
           f"{entry['metadata_bytes'] / MIB:.0f} MiB) | median of {repeats} run(s) | load average "
           f"{entry['load_before'][0]:.1f} before, {entry['load_after'][0]:.1f} after")
-    bench.print_table(entry["rows"], _COLUMNS, width=42)
+    print_table(entry["rows"], _COLUMNS, width=42)
     print("work = wall - wall(import torch); RSS>torch = peak RSS - import torch's; x/torch against torch "
           "read_metadata (wall and peak RSS, start-up included on both sides)")
 
@@ -240,7 +253,7 @@ def growth(per_size: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per row: work and peak RSS at every world size, and how they grow with chunks
     (exponent k of work ~ chunks**k between the smallest and the largest size that ran; per
     million chunks between the two largest)."""
-    names = [r["name"] for r in per_size[0]["rows"] if r["name"] != bench.IMPORT_TORCH] if per_size else []
+    names = [r["name"] for r in per_size[0]["rows"] if r["name"] != IMPORT_TORCH] if per_size else []
     out = []
     for name in names:
         points = [(e["chunks"], r) for e in per_size for r in e["rows"] if r["name"] == name and r["error"] is None]
@@ -271,22 +284,22 @@ def _print_growth(per_size: Sequence[dict[str, Any]], rows: Sequence[dict[str, A
         cells = []
         for e in per_size:
             p = by_chunks.get(e["chunks"])
-            cells.append(f" {'-':>15}" if p is None else f" {bench._fmt(p['work_s'], '6.1f')}s/{p['peak_rss_mib']:6.0f}")
+            cells.append(f" {'-':>15}" if p is None else f" {format_cell(p['work_s'], '6.1f')}s/{p['peak_rss_mib']:6.0f}")
         print(f"{g['name']:<42}" + "".join(cells)
-              + f" {bench._fmt(g.get('work_exponent'), '7.2f')} {bench._fmt(g.get('rss_exponent'), '6.2f')}"
-              + f" {bench._fmt(g.get('work_s_per_mchunk'), '9.1f')} {bench._fmt(g.get('rss_mib_per_mchunk'), '11.0f')}")
+              + f" {format_cell(g.get('work_exponent'), '7.2f')} {format_cell(g.get('rss_exponent'), '6.2f')}"
+              + f" {format_cell(g.get('work_s_per_mchunk'), '9.1f')} {format_cell(g.get('rss_mib_per_mchunk'), '11.0f')}")
 
 
 # ----------------------------------------------------------------------------------- main
 
 
-def _fits(rows: list[Row], prev: dict[str, Any] | None, chunks: int) -> tuple[list[Row], list[bench.Measurement]]:
+def _fits(rows: list[Row], prev: dict[str, Any] | None, chunks: int) -> tuple[list[Row], list[Measurement]]:
     """The rows predicted to fit in available memory, and Measurements saying why others do not."""
     avail = mem_available_mib()
     if prev is None or avail is None:
         return rows, []
     ok = _by_name(prev["rows"])
-    base = ok.get(bench.IMPORT_TORCH)
+    base = ok.get(IMPORT_TORCH)
     keep, skipped = [], []
     for row in rows:
         r = ok.get(row.name)
@@ -297,7 +310,7 @@ def _fits(rows: list[Row], prev: dict[str, Any] | None, chunks: int) -> tuple[li
         if need <= avail - HEADROOM_MIB:
             keep.append(row)
         else:
-            m = bench.Measurement(row.name, row.kind, row.required)
+            m = Measurement(row.name, row.kind, row.required)
             m.error = (f"skipped: predicted peak RSS {need / 1024:.1f} GiB (from {r['peak_rss_mib'] / 1024:.1f} GiB at "
                        f"{prev['ranks']} ranks) > {avail / 1024:.1f} GiB available - {HEADROOM_MIB} MiB headroom")
             skipped.append(m)
@@ -314,7 +327,7 @@ def world_sizes(spec: str) -> list[int]:
 def run_scale(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], int]:
     sizes = world_sizes(args.world_sizes)
     n_tensors = len(tensors())
-    probe, reshard = bench.rss_probe(), bench.reshard_argv()
+    probe, reshard = rss_probe(), reshard_argv()
     per_size: list[dict[str, Any]] = []
     env: dict[str, Any] = {}
     code = 0
@@ -328,8 +341,8 @@ def run_scale(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
               f"{(mem_available_mib() or 0) / 1024:.1f} GiB available", file=sys.stderr, flush=True)
         load_before, started = os.getloadavg(), time.perf_counter()
         (workdir / "logs" / f"ranks_{n}").mkdir(parents=True, exist_ok=True)
-        results = bench.measure(rows, ctx, repeats, workdir / "logs" / f"ranks_{n}") + skipped
-        summary = bench.summarize(results)
+        results = measure(rows, ctx, repeats, workdir / "logs" / f"ranks_{n}") + skipped
+        summary = summarize(results)
         for r, m in zip(summary, results):
             r["required"] = m.required
         _ratios(summary)
@@ -339,11 +352,11 @@ def run_scale(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
                  "seconds": time.perf_counter() - started, "rows": summary}
         per_size.append(entry)
         _print_size(entry, repeats)
-        env = bench.environment(ctx, repeats)
+        env = environment(ctx, repeats)
     grown = growth(per_size)
     _print_growth(per_size, grown)
     checks = scale_checks(per_size)
-    bench.print_checks(checks)
+    print_checks(checks)
     for entry in per_size:
         for r in entry["rows"]:
             if r.get("required") and r["error"] is not None:

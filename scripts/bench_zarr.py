@@ -9,16 +9,18 @@
 * ``tensorstore read zarr``: tensorstore alone reading every array of that store, an outside
   reader for scale (not required: skipped with a reason if tensorstore is missing).
 
-Rows are built with bench.py's own ``Row``/``Command`` classes (passed in, so there is no
-import cycle); ``print_throughput`` adds MiB/s of work time per row under the table.
+Rows are ``Row``s of scripts/bench_harness.py, like every mode's; ``print_throughput`` adds MiB/s
+of work time per row under the table.
 """
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from bench_harness import MIB, Command, Context, Row
 
 __all__ = ["ZARR_WRITE", "ZARR_READ", "zarr_rows", "print_throughput"]
 
@@ -26,7 +28,6 @@ ZARR_WRITE = "reshard -> zarr"
 ZARR_READ = "reshard zarr -> safetensors"
 TS_READ = "tensorstore read zarr"
 _DCP_ROW = "reshard -> safetensors"
-MIB = 2**20
 
 # Into torch tensors, as a PyTorch user would (zero-copy from numpy): the row then pays the
 # same start-up as the reshard rows and "work" subtracts the same bare import torch.
@@ -43,7 +44,7 @@ print(total)
 """
 
 
-def _store(ctx: Any) -> Path:
+def _store(ctx: Context) -> Path:
     """The zarr copy of the source, made once per run (the run's folder is removed at the end)."""
     store = ctx.scratch.parent / "source.zarr"
     if not (store / "zarr.json").is_file():
@@ -52,23 +53,23 @@ def _store(ctx: Any) -> Path:
     return store
 
 
-def zarr_rows(row: Callable[..., Any], command: Callable[..., Any]) -> list[Any]:
-    """The zarr rows, as ``row(name, build, required=...)`` of bench.py."""
+def zarr_rows() -> list[Row]:
+    """The zarr rows of bench.py's default table."""
 
-    def write(ctx: Any) -> Any:
+    def write(ctx: Context) -> Command:
         out = ctx.scratch / "out.zarr"
-        return command([*ctx.reshard, "convert", str(ctx.src), str(out), "--max-memory", ctx.max_memory, "--quiet"],
+        return Command([*ctx.reshard, "convert", str(ctx.src), str(out), "--max-memory", ctx.max_memory, "--quiet"],
                        out / "zarr.json")
 
-    def read(ctx: Any) -> Any:
+    def read(ctx: Context) -> Command:
         out = ctx.scratch / "out.safetensors"
-        return command([*ctx.reshard, "convert", str(_store(ctx)), str(out), "--max-memory", ctx.max_memory, "--quiet"],
+        return Command([*ctx.reshard, "convert", str(_store(ctx)), str(out), "--max-memory", ctx.max_memory, "--quiet"],
                        out)
 
-    def ts_read(ctx: Any) -> Any:
-        return command([ctx.python, "-c", _TS_SNIPPET, str(_store(ctx))])
+    def ts_read(ctx: Context) -> Command:
+        return Command([ctx.python, "-c", _TS_SNIPPET, str(_store(ctx))])
 
-    return [row(ZARR_WRITE, write, required=True), row(ZARR_READ, read, required=True), row(TS_READ, ts_read)]
+    return [Row(ZARR_WRITE, write, required=True), Row(ZARR_READ, read, required=True), Row(TS_READ, ts_read)]
 
 
 def print_throughput(summary: Sequence[dict[str, Any]], nbytes: int) -> list[dict[str, Any]]:

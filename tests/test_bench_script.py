@@ -54,23 +54,23 @@ def test_bench_runs_and_prints_table(tmp_path: Path) -> None:
 
 @pytest.fixture()
 def scripts(monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The scripts folder importable (bench.py and its modules import each other by name)."""
+    """The scripts folder importable (the bench scripts import each other by name)."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
     return SCRIPTS
 
 
 def test_command_stdout_and_check(scripts: Path, tmp_path: Path) -> None:
-    import bench
+    from bench_harness import Command, _failure, rss_probe, run_measured
 
     out = tmp_path / "out.txt"
-    cmd = bench.Command([sys.executable, "-c", "import sys; print('hello'); print('oops', file=sys.stderr)"], out,
-                        stdout=out, check=lambda: None if out.read_text() == "hello\n" else "wrong text")
-    res = bench.run_measured(cmd.argv, tmp_path, tmp_path / "run.log", bench.rss_probe(), cmd.stdout)
+    cmd = Command([sys.executable, "-c", "import sys; print('hello'); print('oops', file=sys.stderr)"], out,
+                  stdout=out, check=lambda: None if out.read_text() == "hello\n" else "wrong text")
+    res = run_measured(cmd.argv, tmp_path, tmp_path / "run.log", rss_probe(), cmd.stdout)
     assert res.returncode == 0 and res.maxrss_kib > 0
     assert out.read_text() == "hello\n" and "oops" in (tmp_path / "run.log").read_text()
-    assert bench._failure(res, cmd) is None
-    wrong = bench.Command(cmd.argv, out, check=lambda: "it printed nothing useful")
-    assert bench._failure(res, wrong) == "exit 0 but it printed nothing useful"
+    assert _failure(res, cmd) is None
+    wrong = Command(cmd.argv, out, check=lambda: "it printed nothing useful")
+    assert _failure(res, wrong) == "exit 0 but it printed nothing useful"
 
 
 def test_scale_growth_and_prediction(scripts: Path) -> None:

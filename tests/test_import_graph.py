@@ -2,9 +2,10 @@
 functions too: a deferred import may save start-up time (torch, the CLI), never hide a circle.
 
 The graph is read from the source (``ast``): ``import x``/``from x import y`` anywhere in a
-module, ``__import__``/``import_module`` calls with a literal name, not counting imports under
-``if TYPE_CHECKING:`` (annotations only) nor a module importing its own package's
-``__init__`` (which every submodule import does anyway).
+module, ``__import__``/``import_module`` calls with a literal name, not counting a module
+importing its own package's ``__init__`` (which every submodule import does anyway). Imports
+under ``if TYPE_CHECKING:`` (annotations only) make no circle at run time and count only for
+the layering rule, where a type named is a dependency too.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return skip
 
 
-def _imported(module: str, path: Path, tree: ast.AST) -> list[str]:
+def _imported(module: str, path: Path, tree: ast.AST, annotations: bool) -> list[str]:
     names: list[str] = []
-    skip = _type_checking_nodes(tree)
+    skip = set() if annotations else _type_checking_nodes(tree)
     for node in ast.walk(tree):
         if id(node) in skip:
             continue
@@ -55,11 +56,13 @@ def _imported(module: str, path: Path, tree: ast.AST) -> list[str]:
     return names
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(annotations: bool = False) -> dict[str, set[str]]:
+    """Each module's imports of the package's modules; ``annotations``: those under ``if
+    TYPE_CHECKING:`` too."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
-        for name in _imported(module, path, ast.parse(path.read_text())):
+        for name in _imported(module, path, ast.parse(path.read_text()), annotations):
             while name and name not in modules:
                 name = name.rpartition(".")[0]
             own_package = module.startswith(name + ".") and modules[name].name == "__init__.py"
@@ -144,6 +147,67 @@ def test_the_rule_sees_a_core_module_importing_a_format() -> None:
     graph = import_graph()
     graph["reshard.verify"].add("reshard.formats.zarr.meta")
     assert ("reshard.verify", "reshard.formats.zarr.meta") in format_imports_of_core(graph)
+
+
+# The catalog is the bottom layer: plain data that formats build and every other module reads.
+# It builds on box arithmetic, dtypes and sizes (and the errors they raise), never on what
+# builds on it (meshes, plans, the target an output will hold: reshard/target.py).
+CATALOG_BUILDS_ON = {"reshard.boxes", "reshard.dtypes", "reshard.errors", "reshard.sizes"}
+
+
+def reached(graph: dict[str, set[str]], module: str) -> set[str]:
+    """Every module ``module`` imports, directly or through others."""
+    seen: set[str] = set()
+    work = [module]
+    while work:
+        for name in graph[work.pop()] - seen:
+            seen.add(name)
+            work.append(name)
+    return seen - {module}
+
+
+def test_the_catalog_imports_nothing_above_it() -> None:
+    """Counting annotations: ``Target`` named ``MeshSpec`` under ``TYPE_CHECKING`` when it
+    lived in catalog.py, and that was the one upward import in the package."""
+    graph = import_graph(annotations=True)
+    assert reached(graph, "reshard.catalog") - CATALOG_BUILDS_ON == set()
+    assert graph["reshard.catalog"] >= {"reshard.boxes", "reshard.dtypes"}  # the scan sees its imports
+    assert "reshard.mesh.sharding" in graph["reshard.target"]
+
+
+def test_the_rule_sees_the_catalog_importing_upward() -> None:
+    """Not a rubber stamp: an annotation-only import of a mesh, and an upward import reached
+    through a module the catalog may import, are both found."""
+    planted = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from reshard.mesh.sharding import MeshSpec\n")
+    catalog = ROOT / "reshard" / "catalog.py"
+    assert "reshard.mesh.sharding" in _imported("reshard.catalog", catalog, planted, annotations=True)
+    assert "reshard.mesh.sharding" not in _imported("reshard.catalog", catalog, planted, annotations=False)
+    graph = import_graph(annotations=True)
+    graph["reshard.catalog"].add("reshard.mesh.sharding")
+    assert reached(graph, "reshard.catalog") - CATALOG_BUILDS_ON == {"reshard.mesh.sharding"}
+    graph = import_graph(annotations=True)
+    graph["reshard.sizes"].add("reshard.plan")  # plan reaches the mesh, conventions, pieces...
+    assert {"reshard.plan", "reshard.target", "reshard.mesh.sharding"} <= reached(graph, "reshard.catalog")
+
+
+def script_graph() -> dict[str, set[str]]:
+    """The benchmark scripts' imports of each other (scripts/ is on ``sys.path`` when they run,
+    so they import by bare name)."""
+    paths = {p.stem: p for p in (ROOT / "scripts").glob("*.py")}
+    return {name: {n for n in _imported(name, path, ast.parse(path.read_text()), annotations=True) if n in paths}
+            for name, path in paths.items()}
+
+
+def test_the_bench_scripts_have_no_import_circle() -> None:
+    """bench.py picks a mode and imports its module; every mode, and bench.py, measures with
+    bench_harness, which imports no benchmark module: no mode imports bench.py back."""
+    graph = script_graph()
+    assert {"bench_scale", "bench_paths", "bench_many", "bench_zarr"} <= graph["bench"], "the scan sees the modes"
+    assert circles(graph) == []
+    assert [name for name, names in graph.items() if "bench" in names] == []
+    assert graph["bench_harness"] == set()
+    graph["bench_many"].add("bench")  # planted: a mode reaching into bench.py again
+    assert circles(graph) == [["bench", "bench_many"]]
 
 
 def _string_constants(path: Path) -> set[str]:

@@ -31,7 +31,7 @@ from reshard.formats.torch.zip import load_object_blob, read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
 
 from reshard.boxes import Box
-from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, Target, TensorEntry
+from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, TensorEntry
 from reshard.columns import unique_rows
 from reshard.dtypes import DType
 from reshard.errors import CorruptCheckpointError
@@ -40,6 +40,7 @@ from reshard.pieces import OutputFile, PieceTable, SegmentTable
 from reshard.regions import StoredRegion
 from reshard.storage import will_read
 from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
+from reshard.target import Target
 
 if TYPE_CHECKING:
     import torch

@@ -14,8 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from reshard.catalog import Target
 from reshard.dtypes import DType
+from reshard.target import Target
 
 __all__ = ["with_dtype", "model_card", "write_json", "compute_dtype", "export_config"]
 

@@ -20,12 +20,13 @@ from reshard.formats.hf.files import export_config, model_card, write_json
 from reshard.formats.safetensors.format import SafetensorsFormat, SafetensorsWriter
 
 from reshard.architecture import require_architecture
-from reshard.catalog import Catalog, Target
+from reshard.catalog import Catalog
 from reshard.errors import UsageError
 from reshard.options import ConvertOptions, named
 from reshard.pieces import OutputFile
 from reshard.sizes import parse_size
 from reshard.storage import RemotePath
+from reshard.target import Target
 
 __all__ = ["HFFormat", "HFWriter"]
 

@@ -30,12 +30,13 @@ from reshard.formats.safetensors.header import MAX_HEADER_SIZE, file_order, head
 from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 
 from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, NestedPath, Target
+from reshard.catalog import Catalog, NestedPath
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile, Piece
 from reshard.regions import StoredRegion
 from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.target import Target
 
 __all__ = ["SafetensorsFormat", "SafetensorsWriter", "INDEX_NAME", "OBJECTS_KEY", "PATHS_KEY"]
 

@@ -41,7 +41,7 @@ from reshard.formats.torch.zip import DTensorRef, Record, materialize
 from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_segments
 
 from reshard.boxes import full_box
-from reshard.catalog import Catalog, Chunk, NestedPath, ObjectTable, Target, TensorEntry
+from reshard.catalog import Catalog, Chunk, NestedPath, ObjectTable, TensorEntry
 from reshard.errors import UnsafeCheckpointError, UnsupportedFormatError, UsageError
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile, Piece, Segment
@@ -51,6 +51,7 @@ from reshard.safe_pickle.unpickler import Unpickled, refusal_message
 from reshard.safe_pickle.walk import find_in
 from reshard.storage import as_location
 from reshard.structure import CONTAINERS_ATTR
+from reshard.target import Target
 
 __all__ = [
     "CONTAINERS_ATTR",

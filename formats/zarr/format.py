@@ -39,7 +39,7 @@ from reshard.formats.zarr.grid import ArrayLayout, chunk_segments, plan_arrays
 from reshard.formats.zarr.meta import MAX_JSON_SIZE, ZARR_JSON, array_meta_json, group_meta_json, parse_array_meta, parse_json
 from reshard.formats.zarr.store import LocalStore, Store, open_store
 
-from reshard.catalog import Catalog, Chunk, Target, TensorEntry
+from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile
@@ -47,6 +47,7 @@ from reshard.regions import StoredRegion
 from reshard.sizes import plural
 from reshard.storage import RemotePath
 from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.target import Target
 
 __all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "OBJECTS_FILE"]
 

@@ -25,10 +25,10 @@ from typing import Any
 from reshard.formats.zarr.meta import ZARR_JSON, ArrayMeta
 
 from reshard.boxes import Box
-from reshard.catalog import Target, TargetTensor
 from reshard.dtypes import DType
 from reshard.errors import UsageError
 from reshard.pieces import Piece, Segment
+from reshard.target import Target, TargetTensor
 
 __all__ = ["CHUNK_BYTES", "ArrayLayout", "plan_arrays", "default_chunk_shape", "mesh_chunk_shape", "chunk_segments"]
 

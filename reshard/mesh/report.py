@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from reshard.catalog import Catalog, Target
+from reshard.catalog import Catalog
 from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
 from reshard.mesh.target import mesh_target, uneven_dims
 from reshard.sizes import format_size, plural
+from reshard.target import Target
 
 __all__ = ["mesh_summary", "mesh_table", "rank_ranges", "summarize_for_mesh"]
 

@@ -9,13 +9,14 @@ is dropped with a notice naming each entry unless the user asks to keep it as it
 
 from __future__ import annotations
 
-from reshard.catalog import Catalog, Target, TargetTensor, pick_objects
+from reshard.catalog import Catalog, pick_objects
 from reshard.conventions import PER_RANK, Layout, detect_layout, is_per_rank
 from reshard.dtypes import DType
 from reshard.errors import option
 from reshard.mesh.placements import PlacementPlan, assign_placements
 from reshard.mesh.sharding import MeshSpec, format_placement, mesh_shards
 from reshard.plan import Casting, DtypeKeep, select
+from reshard.target import Target, TargetTensor
 
 __all__ = ["mesh_target", "per_rank_names", "uneven_dims"]
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from reshard.boxes import full_box
-from reshard.catalog import Target, TargetTensor
 from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.pieces import OutputFile, Piece
+from reshard.target import Target, TargetTensor
 
 __all__ = ["reference", "raw_bytes", "same", "whole_target", "write_layout", "raw_file", "BROKEN"]
 

@@ -20,11 +20,12 @@ from safetensors.torch import save_file
 
 import reshard
 from reshard.boxes import Box
-from reshard.catalog import Catalog, Target
+from reshard.catalog import Catalog
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError, UsageError
 from reshard.mesh.sharding import shard_box
 from reshard.plan import full_target
 from reshard.regions import StoredRegion
+from reshard.target import Target
 from tests.dist import run_world
 from tests.fixtures import TinyNet, full_tensor, onto, save_editing_refs
 from tests.formats.test_dcp import _Evil

@@ -18,8 +18,8 @@ from reshard.formats.zarr.format import ZarrFormat, ZarrWriter
 
 import reshard
 from reshard.boxes import full_box
-from reshard.catalog import Target, TargetTensor
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from reshard.target import Target, TargetTensor
 from tests.dist import run_world
 from tests.fixtures import full_tensor
 from tests.test_cli import assert_one_line_error

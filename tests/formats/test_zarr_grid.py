@@ -13,10 +13,10 @@ from reshard.formats.zarr.grid import chunk_segments, default_chunk_shape
 
 import reshard
 from reshard.boxes import Box, full_box
-from reshard.catalog import Target, TargetTensor
 from reshard.engine import Engine
 from reshard.pieces import Piece
 from reshard.plan import make_plan
+from reshard.target import Target, TargetTensor
 
 ts = pytest.importorskip("tensorstore")
 

@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from reshard.boxes import Box
-from reshard.catalog import Catalog, Chunk, Target, TensorEntry
+from reshard.catalog import Catalog, Chunk, TensorEntry
 from reshard.dtypes import dtype_name, parse_dtype
 from reshard.errors import CorruptCheckpointError
 from reshard.options import ConvertOptions
 from reshard.pieces import OutputFile, Piece
 from reshard.regions import StoredRegion
+from reshard.target import Target
 
 INDEX = "toy.json"
 
