@@ -37,10 +37,14 @@ def check_budget(max_memory: str | int, floor: int = 1) -> int:
     few bytes, as the tests do to force slabs; the CLI asks for ``MIN_MEMORY``)."""
     from reshard.sizes import format_size
 
-    budget = parse_size(max_memory)
+    given = option(f"--max-memory {max_memory}", f"max_memory={max_memory!r}")
+    try:
+        budget = parse_size(max_memory)
+    except UsageError as e:
+        raise UsageError(f"{given}: {e}") from None
     if budget < floor:
-        raise UsageError(f"{option(f'--max-memory {max_memory}', f'max_memory={max_memory!r}')}: {format_size(budget)} is "
-                         f"too small to work in; give at least {format_size(floor)}, e.g. 512MiB")
+        raise UsageError(f"{given}: {format_size(budget)} is too small to work in; give at least {format_size(floor)}, "
+                         "e.g. 512MiB")
     return budget
 
 # Options only some formats' writers use: name -> (CLI flag, API argument).

@@ -317,7 +317,8 @@ def load_state_dict(
     left alone; the checkpoint's objects come back in ``LoadResult.objects``.
 
     ``options`` (a ``LoadOptions``) gives these as one value, with ``allow_classes`` (classes
-    read as inert data, for this call only); arguments given beside it override its fields.
+    read as inert data, for this call only); an argument given beside it with other than its
+    default value overrides the field of the same name.
 
     >>> msd = get_model_state_dict(model)
     >>> reshard.load_state_dict(msd, "ckpt/", mode="rank0", max_memory="2GiB")
