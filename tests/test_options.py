@@ -151,16 +151,9 @@ def test_allowed_classes_hold_for_one_call_only(tmp_path: Path) -> None:
     from reshard.errors import UnsafeCheckpointError
     from reshard.options import SourceOptions
     from reshard.safe_pickle.unpickler import allowed_classes, allowing
-    from tests.formats.test_torch_save import _unimportable_module
+    from tests.formats.test_torch_save import save_unimportable
 
-    module = _unimportable_module()
-    present = {"no_such_pkg": type(sys)("no_such_pkg"), "no_such_pkg.conf": module}
-    sys.modules.update(present)
-    try:
-        torch.save({"model": {"w": torch.arange(4.0)}, "args": module.Config(3e-4, torch.ones(2))}, tmp_path / "in.pt")
-    finally:
-        for name in present:
-            del sys.modules[name]
+    save_unimportable(tmp_path / "in.pt", lambda m: {"model": {"w": torch.arange(4.0)}, "args": m.Config(3e-4, torch.ones(2))})
     trusted = ["no_such_pkg.conf.Config"]
     reshard.convert(tmp_path / "in.pt", tmp_path / "out", to="dcp", allow_classes=trusted, quiet=True)
     assert allowed_classes() == frozenset()
