@@ -84,8 +84,10 @@ class SourceOptions:
             convention_named(self.layout)
         names = (self.allow_classes,) if isinstance(self.allow_classes, str) else tuple(self.allow_classes or ())
         object.__setattr__(self, "allow_classes", names)
-        with self.allowing():  # a malformed name, or one that can run code, is refused here
-            pass
+        if names:  # a malformed name, or one that can run code, is refused now
+            from reshard.safe_pickle.unpickler import class_names
+
+            class_names(names)
 
     @property
     def source(self) -> SourceOptions:

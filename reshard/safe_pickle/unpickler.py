@@ -41,7 +41,8 @@ from reshard.safe_pickle.inert import Refused, is_refused, refused_class, standi
 from reshard.safe_pickle.numpy_types import NUMPY_NAMES, numpy_build
 
 __all__ = ["safe_loads", "safe_loads_deferred", "Unpickled", "PLAIN_GLOBALS", "allow_classes", "AllowedClasses",
-           "allowing", "allowed_classes", "refusal_message", "bytearray_from_data", "bytes_from_data", "latin1_bytes"]
+           "allowing", "allowed_classes", "class_names", "refusal_message", "bytearray_from_data", "bytes_from_data",
+           "latin1_bytes"]
 
 
 def bytearray_from_data(*args: Any) -> bytearray:
@@ -161,9 +162,13 @@ def allow_classes(names: Iterable[str]) -> AllowedClasses:
     (``UsageError``). Pickles are read when a catalog is built, objects of DCP checkpoints when
     first asked for: keep the block open until then.
     """
-    if isinstance(names, str):
-        names = [names]
-    return AllowedClasses(frozenset(_parse_class_name(n) for n in names))
+    return AllowedClasses(class_names(names))
+
+
+def class_names(names: Iterable[str]) -> frozenset[tuple[str, str]]:
+    """``(module, name)`` of each ``module.Name``; a malformed name, or one that can run code, is
+    a usage error naming it as the caller gave it (``--allow-class``, ``allow_classes=``)."""
+    return frozenset(_parse_class_name(n) for n in ([names] if isinstance(names, str) else names))
 
 
 @contextlib.contextmanager
@@ -171,9 +176,7 @@ def allowing(names: Iterable[str]) -> Iterator[None]:
     """Allow the named classes as ``allow_classes`` does, but only in this context (this
     thread, or task, and what it calls) until the block ends: how one call's options
     (``SourceOptions.allow_classes``, ``--allow-class``) apply without touching another's."""
-    if isinstance(names, str):
-        names = [names]
-    token = _allowed_here.set(_allowed_here.get() | frozenset(_parse_class_name(n) for n in names))
+    token = _allowed_here.set(_allowed_here.get() | class_names(names))
     try:
         yield
     finally:
