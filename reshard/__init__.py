@@ -24,18 +24,20 @@ if TYPE_CHECKING:
     from reshard.catalog import Catalog
     from reshard.convert import ConvertResult, convert
     from reshard.hub import PushResult, push
-    from reshard.options import ConvertOptions
+    from reshard.options import ConvertOptions, LoadOptions, SourceOptions
     from reshard.runtime.load import LoadResult, load_model, load_state_dict
     from reshard.safe_pickle.unpickler import allow_classes
     from reshard.verify import VerifyResult, verify
 
-__all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "ConvertOptions",
-           "ConvertResult", "VerifyResult", "PushResult", "LoadResult", "ReshardError", "allow_classes", "__version__"]
+__all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "SourceOptions",
+           "ConvertOptions", "LoadOptions", "ConvertResult", "VerifyResult", "PushResult", "LoadResult", "ReshardError",
+           "allow_classes", "__version__"]
 __version__ = "0.2.0"
 
 # name -> the module that defines it (imported when the name is first used).
 _LAZY = {
     "convert": "reshard.convert", "ConvertResult": "reshard.convert", "ConvertOptions": "reshard.options",
+    "SourceOptions": "reshard.options", "LoadOptions": "reshard.options",
     "verify": "reshard.verify", "VerifyResult": "reshard.verify",
     "push": "reshard.hub", "PushResult": "reshard.hub",
     "load_model": "reshard.runtime.load", "load_state_dict": "reshard.runtime.load", "LoadResult": "reshard.runtime.load",
@@ -44,30 +46,47 @@ _LAZY = {
 }
 
 
-def inspect(path: str | os.PathLike, *, layout: str | None = None, storage_options: dict[str, Any] | None = None) -> Catalog:
+def inspect(path: str | os.PathLike, *, layout: str | None = None, storage_options: dict[str, Any] | None = None,
+            source_options: SourceOptions | None = None) -> Catalog:
     """The catalog of checkpoint ``path`` (a path, a zarr URL, or a Hub repo id as ``convert``
     takes them): every tensor's shape, dtype and chunks, and the objects. Reads metadata only,
     never tensor data, and does not import torch: a tensor's ``dtype`` is a
     ``reshard.dtypes.DType`` (torch's name and width; ``.torch`` gives torch's dtype).
     ``layout`` names the tool whose conventions the checkpoint follows when detection gets it
     wrong (``reshard.conventions``); ``storage_options`` are fsspec arguments for a URL.
+    ``source_options`` (a ``SourceOptions``) gives these and the rest of how a source is read
+    as one value: ``allow_classes`` also holds for the catalog's objects read later, ``config``
+    says what model it is, and ``keymap`` shows the names it renames them to.
 
     >>> cat = reshard.inspect("ckpt/")
     >>> cat                      # a one-screen summary; print(cat.table()) for every tensor
     >>> cat.tensors["model.embed.weight"].dtype.torch is torch.bfloat16
     """
-    from reshard.sources import read_catalog
-
-    catalog = read_catalog(path, storage_options)
-    if layout is not None:
-        from reshard.conventions import detect_layout
-
-        detect_layout(catalog, layout)  # an unknown name is a usage error
-        catalog.attrs["layout"] = layout
-        catalog.attrs["layout_given"] = True
+    from reshard.options import SourceOptions
     from reshard.report import CatalogReport
+    from reshard.sources import given_config, given_layout, read_catalog
 
+    given = {k: v for k, v in (("layout", layout), ("storage_options", storage_options)) if v is not None}
+    opts = SourceOptions.of(given, source_options)
+    with opts.allowing():
+        catalog = given_config(given_layout(read_catalog(path, opts), opts.layout), opts.config)
+        if opts.keymap is not None:
+            from reshard.keymap.lookup import load_keymap
+
+            catalog = load_keymap(opts.keymap).apply(catalog)
+    if opts.allow_classes:  # objects are read when first asked for: the allowance goes with them
+        from reshard.catalog import ObjectTable
+
+        catalog.objects = ObjectTable({name: _allowing(opts, catalog.objects, name) for name in catalog.objects})
     return CatalogReport.of(catalog)
+
+
+def _allowing(opts: SourceOptions, objects: Any, name: str) -> Any:
+    """A loader of ``objects[name]`` that reads it with ``opts.allow_classes`` allowed."""
+    def load() -> Any:
+        with opts.allowing():
+            return objects[name]
+    return load
 
 
 def __getattr__(name: str) -> Any:

@@ -44,8 +44,8 @@ from reshard.sizes import plural
 if TYPE_CHECKING:
     from reshard.catalog import Catalog, NestedPath, TensorEntry
 
-__all__ = ["Convention", "CONVENTIONS", "Place", "Layout", "detect_layout", "layout_notices", "AmbiguousLayoutError",
-           "PARAM", "OPTIM_STATE", "OPTIM_GROUP", "PER_RANK", "OTHER", "rename_path", "is_per_rank"]
+__all__ = ["Convention", "CONVENTIONS", "Place", "Layout", "detect_layout", "convention_named", "layout_notices",
+           "AmbiguousLayoutError", "PARAM", "OPTIM_STATE", "OPTIM_GROUP", "PER_RANK", "OTHER", "rename_path", "is_per_rank"]
 
 PARAM, OPTIM_STATE, OPTIM_GROUP, PER_RANK, OTHER = "param", "optim_state", "optim_group", "per_rank", "other"
 
@@ -446,15 +446,21 @@ def detect_layout(catalog: Catalog, override: str | None = None, *, refuse_ambig
     return cache[key][0]
 
 
+def convention_named(name: str) -> Convention:
+    """The convention ``--layout NAME`` / ``layout=NAME`` names (or its former name); any other
+    name is a usage error listing the known ones."""
+    choice = _FORMER_NAMES.get(name, name)
+    if choice not in _BY_NAME:
+        raise UsageError(f"{option(f'--layout {choice!r}', f'layout={choice!r}')} is not one of: {', '.join(_BY_NAME)}")
+    return _BY_NAME[choice]
+
+
 @without_gc
 def _detect(catalog: Catalog, override: str | None, refuse_ambiguous: bool) -> Layout:
     tensors, objects = list(catalog.tensors), list(catalog.objects)
     choice = override or catalog.attrs.get("layout")
     if choice is not None:
-        choice = _FORMER_NAMES.get(choice, choice)
-        if choice not in _BY_NAME:
-            raise UsageError(f"{option(f'--layout {choice!r}', f'layout={choice!r}')} is not one of: {', '.join(_BY_NAME)}")
-        c = _BY_NAME[choice]
+        c = convention_named(choice)
         how = _GIVEN if override or catalog.attrs.get("layout_given") else _RECORDED
         return Layout(c, tensors + objects, _groups_style(c, objects), reason=how)
     heads = _heads(catalog)

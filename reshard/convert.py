@@ -39,7 +39,7 @@ from reshard.plan import DtypeKeep, Plan, full_target, make_plan, model_section
 from reshard.protocol import Writer
 from reshard.sinks import FolderSink, OutputSink, RemoteSink, StagedSink
 from reshard.sizes import format_size, preview
-from reshard.sources import local_path, resolve_source
+from reshard.sources import given_config, given_layout, local_path, resolve_source
 from reshard.target import Target
 
 __all__ = ["ConvertResult", "convert", "build_target", "write_output", "default_destination", "source_files"]
@@ -170,7 +170,12 @@ def convert(
     """
     start = time.perf_counter()
     opts = _options(options, given)
-    source = resolve_source(src, opts.storage_options)
+    with opts.allowing():  # allow_classes: for this call only (objects may be read until it returns)
+        return _convert(src, dst, opts, start)
+
+
+def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: ConvertOptions, start: float) -> ConvertResult:
+    source = resolve_source(src, opts.source)
     dst_path = local_path(dst) if dst is not None else None
     remote_dst = str(dst) if dst is not None and dst_path is None else None  # an fsspec URL (reshard.sinks)
     catalog = source.catalog
@@ -246,10 +251,7 @@ def _refuse_overlap(src: str | os.PathLike, url: str, storage_options: dict | No
 
 def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOptions:
     """``options`` with the keyword arguments' fields replaced (or the keyword arguments alone)."""
-    from_kwargs = ConvertOptions.of(given)  # checks the names
-    if options is None:
-        return from_kwargs
-    return replace(options, **{k: getattr(from_kwargs, k) for k in given})
+    return ConvertOptions.of(given, options)
 
 
 def check_output_options(dst: Path, to: str, opts: ConvertOptions) -> None:
@@ -299,9 +301,7 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     _refuse_options_not_taken(to, opts, opts.format_options_set())
     prepare = format_entry(to).prepare
     keep = DtypeKeep(opts.keep_dtype)
-    if layout is not None:
-        detect_layout(catalog, layout)  # an unknown name is a usage error now, not after the keymap
-        catalog = replace(catalog, attrs={**catalog.attrs, "layout": layout, "layout_given": True})
+    catalog = given_layout(catalog, layout)
     # What the source's layout calls a parameter decides the output when anything but a plain
     # copy is asked for: then refuse an ambiguous one before anything else, and say which one
     # was used and why.
@@ -309,10 +309,7 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     told = detect_layout(catalog) if decides else None  # the layout the notices name
     if told is not None:
         catalog = replace(catalog, notices=[*catalog.notices, *layout_notices(told)])
-    if config is not None:  # what model these tensors are: key maps and the HF export read it
-        from reshard.export import load_config
-
-        catalog = replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config), "hf_config_given": True})
+    catalog = given_config(catalog, config)  # what model these tensors are: key maps and the HF export read it
     catalog = excluded(catalog, opts.exclude)
     if dtype is not None or opts.merge_lora is not None or opts.quantize is not None:
         # FP8 / MXFP4 weights: dequantized with their scales, never cast or computed on without them

@@ -6,16 +6,19 @@ store, or, for a source, an ``owner/name[@revision]`` Hub repo id or ``hf://owne
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointNotFoundError, ReshardError
 from reshard.gc_pause import without_gc
 from reshard.storage import RemotePath, forget_cached, is_url
 
-__all__ = ["Source", "read_catalog", "resolve_source", "local_path"]
+if TYPE_CHECKING:
+    from reshard.options import SourceOptions
+
+__all__ = ["Source", "read_catalog", "resolve_source", "local_path", "given_layout", "given_config"]
 
 
 def local_path(location: str | os.PathLike) -> Path | None:
@@ -43,10 +46,14 @@ class Source:
 
 
 @without_gc
-def resolve_source(src: str | os.PathLike, storage_options: dict | None = None) -> Source:
-    """Read ``src``'s catalog (metadata only) wherever it is. ``storage_options``: fsspec
-    arguments for a URL (``--storage-options``), beside the store's own environment."""
+def resolve_source(src: str | os.PathLike, options: SourceOptions | None = None) -> Source:
+    """Read ``src``'s catalog (metadata only) wherever it is. ``options.storage_options``:
+    fsspec arguments for a URL (``--storage-options``), beside the store's own environment.
+    The rest of ``options`` is the caller's: each public call allows ``allow_classes`` for as
+    long as it runs, and applies layout, config and key map at its own step."""
     from reshard.formats.registry import detect_format
+
+    storage_options = options.storage_options if options is not None else None
 
     path = local_path(src)
     if path is None:
@@ -70,6 +77,27 @@ def resolve_source(src: str | os.PathLike, storage_options: dict | None = None) 
     return Source(path, detect_format(path).read(path), path, beside)
 
 
-def read_catalog(src: str | os.PathLike, storage_options: dict | None = None) -> Catalog:
+def read_catalog(src: str | os.PathLike, options: SourceOptions | None = None) -> Catalog:
     """The catalog of ``src``, metadata only."""
-    return resolve_source(src, storage_options).catalog
+    return resolve_source(src, options).catalog
+
+
+def given_layout(catalog: Catalog, layout: str | None) -> Catalog:
+    """``catalog`` with the layout its caller named (``--layout``, ``layout=``) recorded, so
+    detection takes it as given; an unknown name is a usage error."""
+    if layout is None:
+        return catalog
+    from reshard.conventions import detect_layout
+
+    detect_layout(catalog, layout)  # an unknown name is a usage error now, not after a key map
+    return replace(catalog, attrs={**catalog.attrs, "layout": layout, "layout_given": True})
+
+
+def given_config(catalog: Catalog, config: str | os.PathLike | None) -> Catalog:
+    """``catalog`` told what model its tensors are (``--config``): key maps read its head
+    counts, the HF export its config.json."""
+    if config is None:
+        return catalog
+    from reshard.export import load_config
+
+    return replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config), "hf_config_given": True})

@@ -24,12 +24,13 @@ from reshard.catalog import Catalog, TensorEntry
 from reshard.dtypes import DType, dtype_name
 from reshard.errors import UsageError, option
 from reshard.gc_pause import without_gc
+from reshard.options import SourceOptions
 from reshard.plan import sources_for
 from reshard.progress import Progress
 from reshard.provenance import carry_hf_configs, hf_configs
 from reshard.regions import as_tensor
 from reshard.sizes import parse_size, plural
-from reshard.sources import read_catalog
+from reshard.sources import given_config, given_layout, read_catalog
 from reshard.structure import CONTAINERS_ATTR, container_steps, describe_steps
 from reshard.values import difference
 
@@ -264,6 +265,7 @@ def verify(
     only: str | None = None,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    source_options: SourceOptions | None = None,
 ) -> VerifyResult:
     """Compare checkpoints ``a`` and ``b``; ``result.ok`` is True when they match (``equal``:
     bit for bit; ``within_tolerance`` when ``atol``/``rtol`` were given).
@@ -279,23 +281,34 @@ def verify(
     the comparison, to compare a training checkpoint with its HF export; head counts come from
     ``a``'s own config, else ``b``'s. ``only`` compares one part of both (``model``: each side's
     model tensors under their FQNs, whatever the section is called; ``optim``; or a prefix).
+
+    ``source_options`` (a ``SourceOptions``) says how both are read (``storage_options``,
+    ``allow_classes``, for this call only) and describes ``a``, the side its ``keymap`` renames:
+    ``layout`` and ``config`` (the model, for the key map's head counts) are ``a``'s.
     """
     _check_tolerance(atol, "atol")
     _check_tolerance(rtol, "rtol")
-    ca: Catalog = read_catalog(a, storage_options)
-    cb: Catalog = read_catalog(b, storage_options)
+    given = {k: v for k, v in (("keymap", keymap), ("storage_options", storage_options)) if v is not None}
+    opts = SourceOptions.of(given, source_options)
+    with opts.allowing():
+        return _verify(a, b, atol, rtol, parse_size(max_memory), only, progress, opts)
+
+
+def _verify(a: str | os.PathLike, b: str | os.PathLike, atol: float | None, rtol: float | None, budget: int,
+            only: str | None, progress: bool, opts: SourceOptions) -> VerifyResult:
+    ca: Catalog = given_config(given_layout(read_catalog(a, opts), opts.layout), opts.config)
+    cb: Catalog = read_catalog(b, opts)
     a, b = ca.path, cb.path
-    if keymap is not None:
+    if opts.keymap is not None:
         from reshard.keymap.lookup import load_keymap
 
         if hf_configs(ca)[0] is None and hf_configs(cb)[0] is not None:  # the export's config says what model it is
             ca.attrs["hf_config"] = hf_configs(cb)[0]
-        ca = load_keymap(keymap).apply(ca)
+        ca = load_keymap(opts.keymap).apply(ca)
     for catalog in (ca, cb):  # an HF folder's config travels as objects in every conversion of it
         carry_hf_configs(catalog)
     if only is not None:
         ca, cb = _part(ca, only), _part(cb, only)
-    budget = parse_size(max_memory)
     result = VerifyResult(a, b, atol=atol, rtol=rtol)
     for what, left, right, side in (("tensor", ca.tensors, cb.tensors, "a"), ("object", ca.objects, cb.objects, "a"),
                                     ("tensor", cb.tensors, ca.tensors, "b"), ("object", cb.objects, ca.objects, "b")):

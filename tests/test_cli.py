@@ -182,16 +182,11 @@ def test_installed_entry_point(tmp_path: Path) -> None:
 def test_allow_class_reads_a_trusted_class_as_data(tmp_path: Path) -> None:
     """A class outside the allow-list is refused with the option to pass; with --allow-class
     the file converts, the class never imported, and torch reads the output back as the class."""
-    from tests.formats.test_torch_save import _unimportable_module
+    from tests.formats.test_torch_save import save_unimportable
 
-    module = _unimportable_module()
+    module = save_unimportable(tmp_path / "in.pt",
+                               lambda m: {"model": {"w": torch.arange(4.0)}, "args": m.Config(3e-4, torch.ones(2))})
     present = {"no_such_pkg": type(sys)("no_such_pkg"), "no_such_pkg.conf": module}
-    sys.modules.update(present)
-    try:
-        torch.save({"model": {"w": torch.arange(4.0)}, "args": module.Config(3e-4, torch.ones(2))}, tmp_path / "in.pt")
-    finally:
-        for name in present:
-            del sys.modules[name]
     refused = reshard("convert", tmp_path / "in.pt", tmp_path / "out.pt")
     assert_one_line_error(refused, "in.pt", "--allow-class no_such_pkg.conf.Config")
     assert not (tmp_path / "out.pt").exists()

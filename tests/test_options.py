@@ -3,6 +3,7 @@ the same message (each naming the option as its caller writes it), before any so
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,148 @@ def test_options_are_named_as_their_caller_writes_them() -> None:
     # The command line's budget floor (a slip like 512 for 512MiB); the API moves data in any budget.
     assert ConvertOptions(max_memory="4KiB").budget == 4096
     assert_one_line_error(run_cli("convert", "nowhere", "--max-memory", "4KiB"), "--max-memory 4KiB: 4.0 KiB is too small")
+
+
+# ------------------------------------------------------------------ SourceOptions and LoadOptions
+
+SOURCE_CASES = [
+    # (SourceOptions/LoadOptions arguments, the CLI command that takes the same value, what both say after the option)
+    ({"layout": "nope"}, ["inspect", "--layout", "nope"], "'nope' is not one of: torchtitan, "),
+    ({"allow_classes": ["os.system"]}, ["inspect", "--allow-class", "os.system"], "os.system can run code when loaded"),
+    ({"allow_classes": ["Config"]}, ["verify", "--allow-class", "Config"], "expected a name such as module.ClassName"),
+    ({"max_memory": "0"}, ["verify", "--max-memory", "0"], "size '0' must be positive"),
+    ({"max_memory": "lots"}, ["verify", "--max-memory", "lots"], "cannot read size 'lots'"),
+]
+
+
+@pytest.mark.parametrize("given, flags, said", SOURCE_CASES)
+def test_source_and_load_options_refuse_what_the_cli_refuses_when_built(given: dict, flags: list[str], said: str,
+                                                                         tmp_path: Path) -> None:
+    """Built, not when the source is opened: the CLI refuses before it looks for the (missing)
+    checkpoint, with the message the API gives, each naming the option its own way."""
+    from reshard.options import LoadOptions, SourceOptions
+
+    kinds = [LoadOptions] if "max_memory" in given else [SourceOptions, LoadOptions, ConvertOptions]
+    for kind in kinds:
+        with pytest.raises(UsageError) as api:
+            kind(**given)
+        assert said in str(api.value), kind
+    missing = tmp_path / "no-such-checkpoint"
+    command, *rest = flags
+    proc = run_cli(command, missing, *([missing] if command == "verify" else []), *rest)
+    assert_one_line_error(proc, said)
+    assert said in proc.stderr and "no such file" not in proc.stderr.lower(), proc.stderr
+    name = rest[0]  # the CLI names the flag, the API the keyword argument
+    assert name in proc.stderr and name not in str(api.value)
+
+
+def test_load_options_are_checked_once_and_both_loads_share_one_signature() -> None:
+    """LoadOptions is what load_model and load_state_dict take: their shared parameters have
+    LoadOptions' names and defaults, and a bad value is refused when the options are built."""
+    import inspect
+
+    from reshard.options import LoadOptions
+
+    defaults = {f.name: f.default for f in dataclasses.fields(LoadOptions)}
+    for fn in (reshard.load_model, reshard.load_state_dict):
+        params = inspect.signature(fn).parameters
+        shared = {n: p.default for n, p in params.items() if n in defaults}
+        assert shared == {n: defaults[n] for n in shared} and len(shared) == 8, fn
+        assert params["options"].default is None and params["options"].kind is inspect.Parameter.KEYWORD_ONLY
+    with pytest.raises(UsageError, match="mode 'broadcast' is not one of auto, rank0, parallel"):
+        LoadOptions(mode="broadcast")
+    with pytest.raises(UsageError, match="load_model and load_state_dict read local paths"):
+        LoadOptions(storage_options={"anon": True})
+    with pytest.raises(UsageError, match="unknown load option 'strictly'"):
+        reshard.load_state_dict({}, "nowhere", options=LoadOptions.of({"strictly": False}))
+    opts = LoadOptions(mode="rank0", keymap="strip-wrappers", allow_classes="a.B")
+    assert opts.allow_classes == ("a.B",) and opts.source == reshard.SourceOptions(keymap="strip-wrappers",
+                                                                                   allow_classes=("a.B",))
+    assert ConvertOptions(layout="state-dict", to="dcp").source == reshard.SourceOptions(layout="state-dict")
+
+
+def test_load_model_and_load_state_dict_take_options(tmp_path: Path) -> None:
+    """``options=LoadOptions(...)``: its fields apply (a key map, strict), and an argument given
+    beside it (other than its default) overrides the field of the same name. Checked against
+    torch's own file."""
+    import torch
+
+    from reshard.options import LoadOptions
+    from reshard.runtime.plan import StateDictMismatchError
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    saved = {f"_orig_mod.{k}": torch.randn_like(v) for k, v in model.state_dict().items() if k != "1.bias"}
+    torch.save(saved, tmp_path / "ckpt.pt")
+    reference = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+
+    with pytest.raises(StateDictMismatchError):  # no key map: no name matches
+        reshard.load_model(model, tmp_path / "ckpt.pt", progress=False)
+    relaxed = LoadOptions(keymap="strip-wrappers", strict=False, progress=False)
+    result = reshard.load_model(model, tmp_path / "ckpt.pt", options=relaxed)
+    assert result.missing == ["1.bias"]
+    for name, value in model.state_dict().items():
+        if name != "1.bias":
+            assert torch.equal(value, reference[f"_orig_mod.{name}"]), name
+
+    live = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    renamed = LoadOptions(keymap="strip-wrappers", progress=False)  # strict, as by default
+    with pytest.raises(StateDictMismatchError, match="1.bias"):
+        reshard.load_state_dict(live, tmp_path / "ckpt.pt", options=renamed)
+    result = reshard.load_state_dict(live, tmp_path / "ckpt.pt", strict=False, options=renamed)  # the argument wins
+    assert result.missing == ["1.bias"] and torch.equal(live["0.weight"], reference["_orig_mod.0.weight"])
+
+
+def test_allowed_classes_hold_for_one_call_only(tmp_path: Path) -> None:
+    """``allow_classes`` of a call's options allow the class while that call runs (and for the
+    objects of the catalog ``inspect`` returns), in that call's context: never process-wide,
+    never after it, never in another thread meanwhile."""
+    import sys
+    import threading
+
+    import torch
+
+    from reshard.errors import UnsafeCheckpointError
+    from reshard.options import SourceOptions
+    from reshard.safe_pickle.unpickler import allowed_classes, allowing
+    from tests.formats.test_torch_save import save_unimportable
+
+    save_unimportable(tmp_path / "in.pt", lambda m: {"model": {"w": torch.arange(4.0)}, "args": m.Config(3e-4, torch.ones(2))})
+    trusted = ["no_such_pkg.conf.Config"]
+    reshard.convert(tmp_path / "in.pt", tmp_path / "out", to="dcp", allow_classes=trusted, quiet=True)
+    assert allowed_classes() == frozenset()
+    with pytest.raises(UnsafeCheckpointError, match="no_such_pkg.conf.Config"):
+        reshard.inspect(tmp_path / "in.pt").objects["args"]
+    catalog = reshard.inspect(tmp_path / "out", source_options=SourceOptions(allow_classes=trusted))
+    assert allowed_classes() == frozenset()
+    assert type(catalog.objects["args"]).inert_qualname == "Config"  # a DCP object read after the call: still allowed
+    with pytest.raises(UnsafeCheckpointError):
+        reshard.inspect(tmp_path / "out").objects["args"]
+    result = reshard.verify(tmp_path / "in.pt", tmp_path / "out", source_options=SourceOptions(allow_classes=trusted))
+    assert result.equal and allowed_classes() == frozenset()
+    seen: list[frozenset] = []
+    with allowing(trusted):
+        thread = threading.Thread(target=lambda: seen.append(allowed_classes()))
+        thread.start()
+        thread.join()
+        assert allowed_classes() == frozenset(trusted)
+    assert seen == [frozenset()] and allowed_classes() == frozenset()
+    assert "no_such_pkg" not in sys.modules
+
+
+def test_inspect_and_verify_take_source_options(tmp_path: Path) -> None:
+    """One SourceOptions for both: inspect shows the names a key map gives, verify compares
+    across it; the keyword arguments they had still work."""
+    import torch
+    from safetensors.torch import save_file
+
+    from reshard.options import SourceOptions
+
+    tensors = {"_orig_mod.w": torch.arange(6.0).reshape(2, 3)}
+    save_file(tensors, tmp_path / "a.safetensors")
+    save_file({"w": tensors["_orig_mod.w"]}, tmp_path / "b.safetensors")
+    renamed = SourceOptions(keymap="strip-wrappers", layout="state-dict")
+    assert list(reshard.inspect(tmp_path / "a.safetensors", source_options=renamed).tensors) == ["w"]
+    assert list(reshard.inspect(tmp_path / "a.safetensors", layout="state-dict").tensors) == ["_orig_mod.w"]
+    assert reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", source_options=renamed).equal
+    assert reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", keymap="strip-wrappers").equal
+    assert not reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors").ok

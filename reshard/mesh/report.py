@@ -101,10 +101,10 @@ def mesh_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def summarize_for_mesh(catalog: Catalog, spec: str, placements: str | None) -> dict[str, Any]:
+def summarize_for_mesh(catalog: Catalog, mesh: str, placements: str | None) -> dict[str, Any]:
     from reshard.mesh.placements import load_placement_plan
     from reshard.mesh.sharding import parse_mesh
 
-    mesh = parse_mesh(spec)
+    spec = parse_mesh(mesh)
     layout = detect_layout(catalog)
-    return mesh_summary(mesh_target(catalog, mesh, load_placement_plan(placements, mesh), layout=layout), layout)
+    return mesh_summary(mesh_target(catalog, spec, load_placement_plan(placements, spec), layout=layout), layout)

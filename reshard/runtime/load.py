@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -36,16 +36,18 @@ from reshard import errors
 from reshard.catalog import Catalog, ObjectTable, object_loader
 from reshard.errors import ReshardError, UsageError
 from reshard.log import log_notices
+from reshard.options import LOAD_MODES, LoadOptions
 from reshard.parallel import world
 from reshard.progress import Progress
 from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
 from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
-from reshard.sizes import format_size, parse_size, plural, preview
+from reshard.sizes import format_size, plural, preview
+from reshard.sources import given_config, given_layout
 
-__all__ = ["load_model", "load_state_dict", "LoadResult", "StateDictMismatchError", "MODES"]
+__all__ = ["load_model", "load_state_dict", "LoadOptions", "LoadResult", "StateDictMismatchError", "MODES"]
 
-MODES = ("auto", "rank0", "parallel")
+MODES = LOAD_MODES
 
 
 @dataclass
@@ -96,8 +98,6 @@ def _what_i_see(source: Path) -> tuple | None:
 
 
 def _choose_mode(mode: str, source: Path, world: int) -> str:
-    if mode not in MODES:
-        raise UsageError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if world == 1 and not (dist.is_available() and dist.is_initialized()):
         return "local"
     if mode != "auto":
@@ -123,10 +123,10 @@ def _raise_shared(err: tuple[str, str]) -> NoReturn:
 # ------------------------------------------------------------------------------ the plan
 
 
-def _read_catalog(source: Path, keymap: Any, layout: str | None, config: Any = None,
-                  section: str | int | None = None) -> Catalog:
+def _read_catalog(source: Path, opts: LoadOptions) -> Catalog:
     from reshard.formats.registry import detect_format, format_entry
 
+    section = opts.section
     fmt = detect_format(source)
     if section is None:
         catalog = fmt.read(source)
@@ -136,20 +136,11 @@ def _read_catalog(source: Path, keymap: Any, layout: str | None, config: Any = N
         catalog.notices.append(f"section={section!r}: model {index} and its optimizer of {source}")
     else:
         catalog = _section_as_model(fmt.read(source), str(section))
-    if config is not None:  # what model these tensors are: key maps read its head counts
-        from reshard.export import load_config
-
-        catalog.attrs["hf_config"] = load_config(config)
-    if layout is not None:
-        from reshard.conventions import detect_layout
-
-        detect_layout(catalog, layout)  # an unknown name is a usage error
-        catalog.attrs["layout"] = layout
-        catalog.attrs["layout_given"] = True
-    if keymap is not None:
+    catalog = given_layout(given_config(catalog, opts.config), opts.layout)  # the config: head counts for a key map
+    if opts.keymap is not None:
         from reshard.keymap.lookup import load_keymap
 
-        catalog = load_keymap(keymap).apply(catalog)
+        catalog = load_keymap(opts.keymap).apply(catalog)
     return catalog
 
 
@@ -218,20 +209,19 @@ class _Load:
             bar.close()
 
 
-def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str, keymap: Any, strict: bool,
-             max_memory: str | int, layout: str | None = None,
-             optimizer_groups: list[list[str]] | None = None, config: Any = None,
-             section: str | int | None = None) -> _Load:
+def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: LoadOptions,
+             optimizer_groups: list[list[str]] | None = None) -> _Load:
     source = Path(source)
-    slab_bytes = max(1, parse_size(max_memory) // 4)  # two send buffers plus the reads behind one
+    strict = opts.strict
+    slab_bytes = max(1, opts.budget // 4)  # two send buffers plus the reads behind one
     slots = make_slots(state_dict)
     rank, size = world()
-    mode = _choose_mode(mode, source, size)
+    mode = _choose_mode(opts.mode, source, size)
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
     catalog: Catalog | None
     outcome: LoadPlan | tuple[str, str] | None  # the plan, or the error to raise on every rank
     if mode == "local":
-        catalog = _read_catalog(source, keymap, layout, config, section)
+        catalog = _read_catalog(source, opts)
         plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes,
                               optimizer_groups=optimizer_groups)
         return _Load(source, mode, plan, slots, catalog)
@@ -246,7 +236,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, mode: str
     catalog, outcome, failure = None, None, None
     if rank == 0 or mode == "parallel":
         try:
-            catalog = _read_catalog(source, keymap, layout, config, section)
+            catalog = _read_catalog(source, opts)
             assert gathered is not None  # rank 0 gathers in rank0 mode; every rank has its own otherwise
             metas = [g[0] for g in gathered]
             aliases = [a for g in gathered for a in g[1]]
@@ -288,6 +278,15 @@ def _result(load: _Load, nbytes: int, started: float) -> LoadResult:
 # ------------------------------------------------------------------------------ public API
 
 
+def _load_options(options: LoadOptions | None, **given: Any) -> LoadOptions:
+    """The options of one load call, for both load functions: ``options`` with the arguments
+    that differ from their defaults (``LoadOptions``'s, which the signatures repeat) put over
+    its fields, or the arguments alone. Checked once, here, before any rank reads."""
+    defaults = {f.name: f.default for f in fields(LoadOptions)}
+    changed = {k: v for k, v in given.items() if not (v is defaults[k] or (type(v) is type(defaults[k]) and v == defaults[k]))}
+    return LoadOptions.of(changed, options)
+
+
 def load_state_dict(
     state_dict: Mapping[str, Any],
     source: str | os.PathLike,
@@ -300,6 +299,7 @@ def load_state_dict(
     layout: str | None = None,
     config: str | os.PathLike | None = None,
     section: str | int | None = None,
+    options: LoadOptions | None = None,
 ) -> LoadResult:
     """Fill the tensors of ``state_dict`` (DTensors or plain, nested like DCP state dicts) in
     place from checkpoint ``source``, in any format reshard reads.
@@ -316,12 +316,20 @@ def load_state_dict(
     Values are cast to each tensor's dtype and device as they arrive. Non-tensor values are
     left alone; the checkpoint's objects come back in ``LoadResult.objects``.
 
+    ``options`` (a ``LoadOptions``) gives these as one value, with ``allow_classes`` (classes
+    read as inert data, for this call only); an argument given beside it with other than its
+    default value overrides the field of the same name.
+
     >>> msd = get_model_state_dict(model)
     >>> reshard.load_state_dict(msd, "ckpt/", mode="rank0", max_memory="2GiB")
+    >>> reshard.load_state_dict(msd, "ckpt/", options=LoadOptions(mode="rank0", keymap="hf-to-titan"))
     """
     started = time.perf_counter()
-    load = _prepare(state_dict, source, mode, keymap, strict, max_memory, layout, config=config, section=section)
-    return _said(_result(load, load.execute(progress), started))
+    opts = _load_options(options, mode=mode, keymap=keymap, strict=strict, max_memory=max_memory, progress=progress,
+                         layout=layout, config=config, section=section)
+    with opts.allowing():
+        load = _prepare(state_dict, source, opts)
+        return _said(_result(load, load.execute(opts.progress), started))
 
 
 def _param_groups(saved: Mapping[int | str, dict[str, Any]], live: list[dict[str, Any]], strict: bool,
@@ -365,6 +373,7 @@ def load_model(
     layout: str | None = None,
     config: str | os.PathLike | None = None,
     section: str | int | None = None,
+    options: LoadOptions | None = None,
 ) -> LoadResult:
     """Load ``source`` into a plain, DDP or FSDP2 (``fully_shard``; 1-D, HSDP or TP+FSDP mesh) ``model``,
     and into ``optimizer`` when given: AdamW's exp_avg, exp_avg_sq and step resharded with
@@ -378,23 +387,32 @@ def load_model(
     from rank 0, which alone reads ``source``; ``parallel`` lets every rank read its own
     boxes from shared storage; ``auto`` picks ``parallel`` when every rank sees the same
     source. Peak memory per rank is its shard plus about ``max_memory``. ``keymap``,
-    ``config``, ``section`` and ``layout`` are as in ``load_state_dict``.
+    ``config``, ``section``, ``layout`` and ``options`` are as in ``load_state_dict``.
 
     >>> model = Transformer(cfg); fully_shard(model, mesh=mesh); opt = AdamW(model.parameters())
     >>> reshard.load_model(model, "ckpt/step-1000", opt)   # saved on 64 GPUs, loaded on 48
     """
+    started = time.perf_counter()
+    opts = _load_options(options, mode=mode, keymap=keymap, strict=strict, max_memory=max_memory, progress=progress,
+                         layout=layout, config=config, section=section)
+    with opts.allowing():
+        return _load_model(model, source, optimizer, opts, started)
+
+
+def _load_model(model: torch.nn.Module, source: str | os.PathLike, optimizer: torch.optim.Optimizer | None,
+                opts: LoadOptions, started: float) -> LoadResult:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    started = time.perf_counter()
+    strict = opts.strict
     optimizer, unwrapped = _inner_optimizer(optimizer)
     msd, osd, by_torch = _live_state(model, optimizer)
     targets: dict[str, Any] = dict(msd)
     if osd is not None:
         targets[LIVE_STATE.split(".")[0]] = {"state": osd["state"]}
     order = [[str(f) for f in g.get("params", [])] for g in osd["param_groups"]] if osd else None
-    load = _prepare(targets, source, mode, keymap, strict, max_memory, layout, order, config, section)
+    load = _prepare(targets, source, opts, order)
     groups = _param_groups(load.plan.groups, osd["param_groups"], strict, load.source) if osd else {}
-    nbytes = load.execute(progress)
+    nbytes = load.execute(opts.progress)
     result = _result(load, nbytes, started)
     result.notices += unwrapped
     if by_torch:

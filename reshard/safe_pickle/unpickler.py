@@ -22,6 +22,8 @@ numpy is replayed by the pure-Python one, whose BUILD step reshard checks (``saf
 from __future__ import annotations
 
 import _compat_pickle
+import contextlib
+import contextvars
 import io
 import pickle
 import re
@@ -29,17 +31,18 @@ import struct
 import threading
 import types
 from collections import ChainMap, OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UsageError
+from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UsageError, option
 from reshard.safe_pickle.inert import Refused, is_refused, refused_class, standin_class
 from reshard.safe_pickle.numpy_types import NUMPY_NAMES, numpy_build
 
 __all__ = ["safe_loads", "safe_loads_deferred", "Unpickled", "PLAIN_GLOBALS", "allow_classes", "AllowedClasses",
-           "allowed_classes", "refusal_message", "bytearray_from_data", "bytes_from_data", "latin1_bytes"]
+           "allowing", "allowed_classes", "class_names", "refusal_message", "bytearray_from_data", "bytes_from_data",
+           "latin1_bytes"]
 
 
 def bytearray_from_data(*args: Any) -> bytearray:
@@ -95,7 +98,10 @@ _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _CLASS_NAME = re.compile(rf"({_IDENT}(?:\.{_IDENT})*)(?:\.|:)({_IDENT}(?:\.{_IDENT})*)")
 
 _lock = threading.Lock()
-_allowed: frozenset[tuple[str, str]] = frozenset()
+_allowed: frozenset[tuple[str, str]] = frozenset()  # by allow_classes: process-wide, until closed
+# By one call's options (``allow_classes=`` of SourceOptions, ``--allow-class``): in its context only.
+_allowed_here: contextvars.ContextVar[frozenset[tuple[str, str]]] = contextvars.ContextVar(
+    "reshard_allowed_classes", default=frozenset())
 
 
 def _never(module: str, name: str) -> bool:
@@ -104,17 +110,18 @@ def _never(module: str, name: str) -> bool:
 
 def _parse_class_name(text: str) -> tuple[str, str]:
     """``module.Name`` (split at the last dot) or ``module:Qual.Name``."""
+    given = option(f"--allow-class {text}", f"allow_classes=[{text!r}]")
     if not isinstance(text, str):
-        raise UsageError(f"--allow-class {text!r}: expected a name such as module.ClassName")
+        raise UsageError(f"{given}: expected a name such as module.ClassName")
     m = _CLASS_NAME.fullmatch(text.strip())
     if ":" in text and m:
         module, name = m.group(1), m.group(2)
     elif m and "." in text:
         module, _, name = text.strip().rpartition(".")
     else:
-        raise UsageError(f"--allow-class {text!r}: expected a name such as module.ClassName")
+        raise UsageError(f"{given}: expected a name such as module.ClassName")
     if _never(module, name):
-        raise UsageError(f"--allow-class {text}: {module}.{name} can run code when loaded; reshard never reads it, "
+        raise UsageError(f"{given}: {module}.{name} can run code when loaded; reshard never reads it, "
                          "even as inert data, so that no file it writes names it")
     return module, name
 
@@ -155,14 +162,34 @@ def allow_classes(names: Iterable[str]) -> AllowedClasses:
     (``UsageError``). Pickles are read when a catalog is built, objects of DCP checkpoints when
     first asked for: keep the block open until then.
     """
-    if isinstance(names, str):
-        names = [names]
-    return AllowedClasses(frozenset(_parse_class_name(n) for n in names))
+    return AllowedClasses(class_names(names))
+
+
+def class_names(names: Iterable[str]) -> frozenset[tuple[str, str]]:
+    """``(module, name)`` of each ``module.Name``; a malformed name, or one that can run code, is
+    a usage error naming it as the caller gave it (``--allow-class``, ``allow_classes=``)."""
+    return frozenset(_parse_class_name(n) for n in ([names] if isinstance(names, str) else names))
+
+
+@contextlib.contextmanager
+def allowing(names: Iterable[str]) -> Iterator[None]:
+    """Allow the named classes as ``allow_classes`` does, but only in this context (this
+    thread, or task, and what it calls) until the block ends: how one call's options
+    (``SourceOptions.allow_classes``, ``--allow-class``) apply without touching another's."""
+    token = _allowed_here.set(_allowed_here.get() | class_names(names))
+    try:
+        yield
+    finally:
+        _allowed_here.reset(token)
+
+
+def _allowed_now() -> frozenset[tuple[str, str]]:
+    return _allowed | _allowed_here.get()
 
 
 def allowed_classes() -> frozenset[str]:
-    """The class names allowed right now, as ``module.Name``."""
-    return frozenset(f"{m}.{n}" for m, n in _allowed)
+    """The class names allowed right now (process-wide and in this context), as ``module.Name``."""
+    return frozenset(f"{m}.{n}" for m, n in _allowed_now())
 
 
 def refusal_message(origin: Any, global_name: str, *, opt_in: bool, what: str = "") -> str:
@@ -214,7 +241,7 @@ class _Policy:
     def _setup(self, table: Mapping[tuple[str, str], Any], persistent: Callable[[Any], Any] | None, origin: str,
                *, stand_ins: bool, deferred: bool, checked: bool) -> None:
         self._table, self._persistent, self._origin = table, persistent, origin
-        self._classes = _allowed if stand_ins else frozenset()
+        self._classes = _allowed_now() if stand_ins else frozenset()
         self._stand_ins, self._deferred, self._checked = stand_ins, deferred, checked
         self.refused: dict[str, None] = {}
 

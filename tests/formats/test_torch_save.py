@@ -5,6 +5,7 @@ import re
 import shutil
 import zipfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -669,6 +670,22 @@ def _unimportable_module() -> Any:
     return module
 
 
+def save_unimportable(path: Path, value: Callable[[Any], Any]) -> Any:
+    """``torch.save`` ``value(module)`` while ``_unimportable_module()`` is importable, then
+    forget the module again; the module."""
+    import sys
+
+    module = _unimportable_module()
+    present = {"no_such_pkg": type(sys)("no_such_pkg"), "no_such_pkg.conf": module}
+    sys.modules.update(present)
+    try:
+        torch.save(value(module), path)
+    finally:
+        for name in present:
+            del sys.modules[name]
+    return module
+
+
 def test_allowed_classes_round_trip_under_their_own_names(tmp_path: Path) -> None:
     import sys
 
@@ -678,15 +695,9 @@ def test_allowed_classes_round_trip_under_their_own_names(tmp_path: Path) -> Non
     from reshard.safe_pickle.inert import Inert
     from reshard.safe_pickle.unpickler import allow_classes
 
-    module = _unimportable_module()
+    module = save_unimportable(tmp_path / "in.pt", lambda m: {"model": {"w": torch.ones(2)},
+                                                               "extra": {"cfg": m.Config(0.1, torch.arange(3)), "cls": m.Config}})
     present = {"no_such_pkg": type(sys)("no_such_pkg"), "no_such_pkg.conf": module}
-    sys.modules.update(present)
-    try:
-        value = {"model": {"w": torch.ones(2)}, "extra": {"cfg": module.Config(0.1, torch.arange(3)), "cls": module.Config}}
-        torch.save(value, tmp_path / "in.pt")
-    finally:
-        for name in present:
-            del sys.modules[name]
     with pytest.raises(UnsafeCheckpointError, match=r"pass --allow-class no_such_pkg\.conf\.Config .*never run"):
         reshard.inspect(tmp_path / "in.pt").objects["extra.cfg"]
     with allow_classes(["no_such_pkg.conf.Config"]):
