@@ -224,7 +224,8 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
     if remote_dst is not None:  # object stores have no rename: data first, the file that makes a checkpoint last
         if world()[1] > 1:
             raise UsageError(f"{remote_dst}: a URL output is written by one process; run it without torchrun")
-        sink = RemoteSink(remote_dst, opts.storage_options, is_dir=writer.output_is_dir, overwrite=opts.overwrite)
+        sink = RemoteSink(remote_dst, opts.storage_options, is_dir=writer.output_is_dir, overwrite=opts.overwrite,
+                          marker=getattr(writer, "marker", None))
     else:
         assert dst_path is not None  # not a URL: a local DST
         sink = StagedSink(dst_path, is_dir=writer.output_is_dir, overwrite=opts.overwrite,

@@ -249,13 +249,18 @@ class RemoteSink:
     remote = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *, is_dir: bool = True,
-                 overwrite: bool = False) -> None:
+                 overwrite: bool = False, marker: str | None = None) -> None:
+        """``marker``: the writer's (``Writer.marker``), put last, beside the ``MARKERS`` every
+        reader knows."""
         self.root = RemotePath.from_url(url, storage_options)
         self.where: Path | RemotePath = self.root
-        self.is_dir, self.overwrite = is_dir, overwrite
+        self.is_dir, self.overwrite, self.marker = is_dir, overwrite, marker
         self._put: list[RemotePath] = []
         self._committed = False
-        self._marker: str | None = None  # the writer's, known at commit
+
+    def _is_marker(self, key: str) -> bool:
+        """Whether ``key`` (a store path under the URL) makes the URL a checkpoint."""
+        return _is_marker(key.rsplit("/", 1)[-1]) or (self.marker is not None and key == self._dest(self.marker).path)
 
     def _dest(self, relpath: str) -> RemotePath:
         return self.root / relpath if relpath else self.root
@@ -270,13 +275,10 @@ class RemoteSink:
         if not keys:
             return
         if not self.overwrite:
-            names = {k.rsplit("/", 1)[-1] for k in keys}
-            what = ("a checkpoint" if one_file or any(_is_marker(n) for n in names) or self.root.path + "/zarr.json" in keys
-                    else "data (an unfinished write?)")
+            what = "a checkpoint" if one_file or any(self._is_marker(k) for k in keys) else "data (an unfinished write?)"
             raise OutputExistsError(f"{self.root} already holds {what}; pass {option('--overwrite', 'overwrite=True')} "
                                     "to replace it")
-        root_marker = self.root.path + "/zarr.json"
-        keys.sort(key=lambda k: (k != root_marker, not _is_marker(k.rsplit("/", 1)[-1])))
+        keys.sort(key=lambda k: not self._is_marker(k))
         for key in keys:
             self.root.fs.rm_file(key)
 
@@ -314,7 +316,7 @@ class RemoteSink:
         """What the writer's ``finish`` makes, made in a local temp folder and put after the
         data: the marker files last, the writer's own ``marker`` the very last."""
         if self.is_dir:
-            last = self._marker = getattr(writer, "marker", None)
+            last = self.marker
             with tempfile.TemporaryDirectory(prefix="reshard-finish-") as tmp:
                 writer.finish(Path(tmp), target, files)
                 made = [(p.relative_to(tmp).as_posix(), p) for p in Path(tmp).rglob("*") if p.is_file()]
@@ -329,8 +331,7 @@ class RemoteSink:
         if self._committed:
             return
         put, self._put = self._put, []
-        last = self._dest(self._marker) if self._marker else None
-        for dest in sorted(put, key=lambda d: (d != last, not _is_marker(d.name))):
+        for dest in sorted(put, key=lambda d: not self._is_marker(d.path)):
             try:
                 dest.fs.rm_file(dest.path)
             except Exception:  # noqa: BLE001 - the original error is what the user needs
