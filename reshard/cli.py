@@ -38,8 +38,13 @@ class _Command(TyperCommand):
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         """Option help that lists formats or key maps says what the registry and the presets
-        hold now (``{write_formats}``, ``{keymap_presets}``)."""
+        hold now (``{write_formats}``, ``{keymap_presets}``). A command's docstring is
+        reflowed into its paragraphs: typer keeps a docstring's line breaks, which are where
+        the source wraps, not where the terminal does."""
         import re
+
+        if self.help:
+            self.help = "\n\n".join(" ".join(p.split()) for p in self.help.split("\n\n"))
 
         from reshard.formats.registry import taking, write_names
         from reshard.keymap.presets import PRESET_NAMES

@@ -110,8 +110,9 @@ def test_help_reads(args: list[str]) -> None:
 
 def test_piped_help_keeps_every_example_line_whole() -> None:
     """``reshard CMD --help | less`` renders at 80 columns: every line of every command's
-    examples (a comment, a command) comes out whole, never wrapped in the middle; train's help
-    names --to-mesh only (--mesh is a hidden alias)."""
+    examples (a comment, a command) comes out whole, never wrapped in the middle; a command's
+    description is reflowed, not broken where its docstring's source wraps; train's help names
+    --to-mesh only (--mesh is a hidden alias)."""
     import os
 
     import typer
@@ -128,6 +129,9 @@ def test_piped_help_keeps_every_example_line_whole() -> None:
         assert all(len(line) <= 80 for line in shown.splitlines()), shown
         examples = [line.strip() for line in commands[name].epilog.splitlines()[1:] if line.strip()]
         assert examples and [e for e in examples if e not in lines] == [], (name, shown)
+        described = [line.rstrip() for line in shown.split("╭", 1)[0].splitlines()[3:]]  # past the usage line
+        cut = [(a, b) for a, b in zip(described, described[1:]) if a and b and len(a) + 1 + len(b.split()[0]) <= 79]
+        assert cut == [], (name, cut)  # a paragraph's line ends only where the next word would not fit
     train = proc.stdout.split("\0")[list(commands).index("train")]
     assert "--to-mesh" in train and "--mesh " not in train and "--mesh," not in train, train
     docs = Path(__file__).resolve().parents[1] / "docs"  # and the docs call it by that one name
