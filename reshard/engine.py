@@ -15,6 +15,12 @@ Two ways a piece gets its bytes:
 Pieces are independent, so a thread pool overlaps reads, casts and writes (all release the
 GIL). Progress is counted in bytes (``reshard.progress``: a bar on a terminal, a line every
 10 s in a log).
+
+Every output goes through this one loop (``_schedule``) and one budget rule
+(``Engine._workers_for``); where the bytes land is a sink's business (``reshard.sinks``).
+Local files take pieces at any offset, in any order; an upload to an object store takes a
+file front to back from one worker, and so does a file whose stored form is made from all of
+its bytes at once (``OutputFile.encode``: zarr's zstd), assembled in memory first.
 """
 
 from __future__ import annotations
@@ -519,8 +525,8 @@ class Engine:
             order = {f.relpath: i for i, f in enumerate(plan.files)}
             window_bytes = max(1 << 16, min(_WINDOW_MAX, self._slab_memory // (workers * _WINDOW_SHARE)))
             whole = [f for f in plan.files if f.encode is not None or not sink.random_access]
-            jobs: list[Job] = list(self._whole_files(whole, work, plan, window_bytes))
-            jobs.sort(key=lambda job: -job.file.size if isinstance(job, _WholeFile) else 0)
+            files = sorted(self._whole_files(whole, work, plan, window_bytes), key=lambda job: -job.file.size)
+            jobs: list[Job] = list(files)
             sink.prepare([(f.relpath, 0 if f.encode is not None else f.size) for f in plan.files])
             if sink.random_access:  # every other file: literals now, pieces and windows in any order
                 whole_paths = {f.relpath for f in whole}
