@@ -167,18 +167,24 @@ def test_cli_writes_beside_source_and_per_rank_torch_files(fsdp2_dcp, fsdp2_refe
 
 
 def test_torchrun_parallel_output_is_byte_identical(fsdp2_dcp, tmp_path: Path) -> None:
+    """Ranks splitting the files of a DCP, and of a compressed zarr store (each rank pads and
+    compresses its own chunks; rank 0 writes the metadata), write what one process writes."""
     src = fsdp2_dcp[0]
-    reshard.convert(src, tmp_path / "one", mesh="2x2", quiet=True)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "reshard", "convert", str(src), str(tmp_path / "two"), "--to-mesh", "2x2", "--quiet"],
-        capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    one = {p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()}
-    two = {p.name: p.read_bytes() for p in (tmp_path / "two").iterdir()}
-    assert one.keys() == two.keys() and [k for k in one if one[k] != two[k]] == []
-    assert not list(tmp_path.glob(".two.reshard-*"))
+    for name, extra in (("two", []), ("two.zarr", ["--compress", "--max-shard-size", "2KiB"])):
+        single = tmp_path / f"one{name.removeprefix('two')}"
+        reshard.convert(src, single, mesh="2x2" if not extra else None, quiet=True, compress=bool(extra),
+                        max_shard_size="2KiB" if extra else None)
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             "-m", "reshard", "convert", str(src), str(tmp_path / name), *(["--to-mesh", "2x2"] if not extra else extra),
+             "--quiet"], capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        one = {str(p.relative_to(single)): p.read_bytes() for p in single.rglob("*") if p.is_file()}
+        two = {str(p.relative_to(tmp_path / name)): p.read_bytes() for p in (tmp_path / name).rglob("*") if p.is_file()}
+        assert len(one) > 4 and one.keys() == two.keys() and [k for k in one if one[k] != two[k]] == [], name
+        assert not list(tmp_path.glob(f".{name}.reshard-*"))
+    assert reshard.verify(src, tmp_path / "two.zarr").equal  # the compressed store holds the source
 
 
 def test_mesh_parsing_and_refusals(fsdp2_dcp, tmp_path: Path) -> None:
