@@ -233,7 +233,7 @@ def _encodable(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
     return kept, other
 
 
-def write_metadata(store: Store, target: Target, arrays: list[ArrayLayout]) -> None:
+def write_metadata(store: LocalStore, target: Target, arrays: list[ArrayLayout]) -> None:
     """Every array's ``zarr.json``, the objects, and the root ``zarr.json`` last."""
     placements = target.attrs.get("target_placements") or {}
     for a in arrays:

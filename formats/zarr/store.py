@@ -2,8 +2,9 @@
 ``file://``, ``s3://`` with s3fs installed...).
 
 A zarr v3 store is a flat key-value space (``zarr.json``, ``name/zarr.json``,
-``name/c/0/1``); these two small classes give the reader and the remote writer that view and
-nothing more. Local stores keep real paths, so uncompressed chunks become ``StoredRegion``s the
+``name/c/0/1``); these two small classes give the reader that view (and ``finish`` a local
+folder to put metadata in) and nothing more; writing a store at a URL is the engine's
+``reshard.sinks.RemoteSink``. Local stores keep real paths, so uncompressed chunks become ``StoredRegion``s the
 engine reads with ``preadv`` and kernel-copies; remote stores fetch bytes (ranges where it can)
 through fsspec, the same layer zarr-python's ``FsspecStore`` sits on, with the same URLs and
 credentials.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from reshard.errors import CheckpointNotFoundError
 from reshard.storage import RemotePath, is_url
@@ -51,11 +52,6 @@ class LocalStore:
         with open(path, "wb") as f:
             f.write(data)
 
-    def open_write(self, key: str) -> BinaryIO:
-        path = self.root / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "wb")
-
     def children(self, prefix: str) -> list[str]:
         """Sub-folder names under ``prefix`` (candidate child nodes of a group)."""
         try:
@@ -77,8 +73,7 @@ class LocalStore:
 
 
 class RemoteStore:
-    """A store behind an fsspec URL. Nothing is staged: writers put chunks first and the
-    root ``zarr.json`` last, so an interrupted write is not mistaken for a store."""
+    """A store behind an fsspec URL, read through its keys."""
 
     def __init__(self, url: str | RemotePath, storage_options: dict[str, Any] | None = None) -> None:
         self.remote = url if isinstance(url, RemotePath) else RemotePath.from_url(url, storage_options)
@@ -104,12 +99,6 @@ class RemoteStore:
         except FileNotFoundError:
             return None
 
-    def put(self, key: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(key), data)
-
-    def open_write(self, key: str) -> BinaryIO:
-        return self.fs.open(self._path(key), "wb")
-
     def children(self, prefix: str) -> list[str]:
         try:
             entries = self.fs.ls(self._path(prefix), detail=True)
@@ -125,16 +114,6 @@ class RemoteStore:
             return {}
         return {path.strip("/")[len(base):]: int(info.get("size") or 0)
                 for path, info in found.items() if path.strip("/").startswith(base)}
-
-    def exists(self) -> bool:
-        return bool(self.fs.exists(self.root))
-
-    def remove(self) -> None:
-        """Delete the store, its root ``zarr.json`` first: half-deleted is never a store."""
-        if self.size("zarr.json") is not None:
-            self.fs.rm(self._path("zarr.json"))
-        if self.fs.exists(self.root):
-            self.fs.rm(self.root, recursive=True)
 
 
 Store = LocalStore | RemoteStore
