@@ -13,11 +13,15 @@ import torch
 import torch._utils
 import torch.serialization
 
+from reshard.torch_support import note_newer_torch
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "dtensor_local_indices", "STRIDED_SHARD",
            "init_optimizer_state"]
+
+note_newer_torch(torch.__version__)  # the library's first use of torch: once per process, if newer than tested
 
 # The function torch.save names for every tensor of a "new" dtype; torch.load accepts it for
 # all dtypes, so our writer uses it uniformly.

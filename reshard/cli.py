@@ -25,6 +25,7 @@ from reshard.cli_flags import Given, debug_on, takes_flags
 from reshard.errors import ReshardError, UsageError, speaking_cli
 from reshard.log import to_stderr
 from reshard.options import SourceOptions
+from reshard.torch_support import note_newer_torch
 
 SCHEMA_VERSION = 1
 
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     debug_on["on"] = os.environ.get("RESHARD_DEBUG") == "1"  # per call: main() may run many times in one process
     try:
         with speaking_cli(), to_stderr(logging.DEBUG if debug_on["on"] else logging.INFO):
+            note_newer_torch()
             rv = app(args=argv, standalone_mode=False, prog_name="reshard")
         if rv == 130:  # typer turns Ctrl-C into exit code 130 before we can see it
             _say("reshard: interrupted; no output was left behind")

@@ -8,6 +8,11 @@ chunk has a storage record, and every record names a file inside the checkpoint 
 
 A folder saved with ``use_collectives=False`` has no ``.metadata`` but one
 ``__{rank}.metadata`` per rank; those are merged first (``dcp.ranks``) and checked as one.
+
+Each stand-in knows every field torch 2.9 through 2.15 writes for its class (and what
+Megatron-Core and reshard add). A field or state it does not know is refused as a newer
+format (``NewerFormatError``): torch grows these classes between releases (2.15 added
+``TensorProperties.strides``), and a field we skipped could change what the bytes mean.
 """
 
 from __future__ import annotations
@@ -24,13 +29,25 @@ import numpy as np
 from reshard import dtypes
 from reshard.boxes import Box
 from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
+from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UnsupportedFormatError
 from reshard.gc_pause import paused_gc
 from reshard.safe_pickle.unpickler import safe_loads
 
-__all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "read_metadata_file"]
+__all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "NewerFormatError", "read_metadata_file", "DCP_VERSIONS"]
 
 _MAX_METADATA_BYTES = 1 << 30
+# Metadata.version, the DCP format's own version (filesystem.CURRENT_DCP_VERSION); None before 2.4.
+DCP_VERSIONS = frozenset({None, "1.0.0"})
+
+
+class NewerFormatError(UnsupportedFormatError):
+    """``.metadata`` holds a field, state or version reshard does not know: most likely
+    written by a torch newer than this reshard was tested with."""
+
+
+class _NewField(ReshardError):
+    """Raised inside the unpickler (which passes reshard's errors through); ``_unpickled``
+    turns it into a ``NewerFormatError`` that names the file."""
 
 
 class _Record:
@@ -42,11 +59,14 @@ class _Record:
     frozen cannot be hashed, so a file that uses one as a key is refused here as torch refuses it."""
 
     __slots__: tuple[str, ...] = ()
+    # Fields torch writes that reshard does not need: known, so not refused, but not kept.
+    _ignored: ClassVar[frozenset[str]] = frozenset()
     # None: unhashable, Python's way, which typeshed's object.__hash__ (a method) does not allow
     __hash__: ClassVar[Callable[[object], int] | None] = None  # type: ignore[assignment]
 
     def __setstate__(self, state: Any) -> None:
         fields = _as_dict(self, state)  # once per object: hundreds of thousands are unpickled
+        _refuse_unknown(self, fields)
         for name in self.__slots__:
             object.__setattr__(self, name, fields.get(name))
 
@@ -65,13 +85,28 @@ def _as_dict(obj: _Record, state: Any) -> dict:
     raise ValueError(f"unexpected state for {type(obj).__name__}")  # safe_loads adds the file name
 
 
+def _torch_name(obj: _Record) -> str:
+    return type(obj).__name__.lstrip("_") if type(obj) is not StorageInfo else "_StorageInfo"
+
+
+def _refuse_unknown(obj: _Record, fields: dict) -> None:
+    unknown = fields.keys() - obj.__slots__ - obj._ignored
+    if unknown:
+        names = ", ".join(repr(n) for n in sorted(map(str, unknown)))
+        raise _NewField(f"{_torch_name(obj)} has field{'s' if len(unknown) > 1 else ''} {names}, which reshard does not know")
+
+
 class Metadata(_Record):
     # reshard_containers: written by reshard beside torch's fields (reshard.structure)
-    __slots__ = ("state_dict_metadata", "planner_data", "storage_data", "reshard_containers")
+    __slots__ = ("state_dict_metadata", "planner_data", "storage_data", "reshard_containers", "version")
+    # storage_meta: the run that saved it (ids, module names); all_local_plans: Megatron-Core's
+    # copy of every rank's SavePlan, which the chunks and storage records say again
+    _ignored = frozenset({"storage_meta", "all_local_plans"})
     state_dict_metadata: Any
     planner_data: Any
     storage_data: Any
     reshard_containers: Any
+    version: Any
 
 
 class TensorStorageMetadata(_Record):
@@ -88,13 +123,18 @@ class ChunkStorageMetadata(_Record):
     def __setstate__(self, state: Any) -> None:  # one per chunk: written out for speed
         try:
             self.offsets, self.sizes = state["offsets"], state["sizes"]
+            if len(state) == 2:
+                return
         except (KeyError, TypeError):  # not torch's usual dict: the general path
-            state = _as_dict(self, state)
-            self.offsets, self.sizes = state.get("offsets"), state.get("sizes")
+            pass
+        state = _as_dict(self, state)
+        _refuse_unknown(self, state)
+        self.offsets, self.sizes = state.get("offsets"), state.get("sizes")
 
 
 class StorageMeta(_Record):
     __slots__ = ()
+    _ignored = frozenset({"checkpoint_id", "save_id", "load_id", "modules"})
 
 
 class MetadataIndex(_Record):
@@ -104,31 +144,51 @@ class MetadataIndex(_Record):
     def __setstate__(self, state: Any) -> None:
         try:
             self.fqn, self.offset, self.index = state["fqn"], state["offset"], state["index"]
+            if len(state) == 3:
+                return
         except (KeyError, TypeError):
-            state = _as_dict(self, state)
-            self.fqn, self.offset, self.index = state.get("fqn"), state.get("offset"), state.get("index")
+            pass
+        state = _as_dict(self, state)
+        _refuse_unknown(self, state)
+        self.fqn, self.offset, self.index = state.get("fqn"), state.get("offset"), state.get("index")
 
 
 class StorageInfo(_Record):
+    # transform_descriptors: torch >= 2.8, and only where an extension (zstd) was applied
     __slots__ = ("relative_path", "offset", "length", "transform_descriptors")
 
     def __setstate__(self, state: Any) -> None:
         try:
             self.relative_path, self.offset, self.length = state["relative_path"], state["offset"], state["length"]
-            self.transform_descriptors = state.get("transform_descriptors")  # torch >= 2.8 only
-        except (KeyError, TypeError, AttributeError):
-            state = _as_dict(self, state)
-            self.relative_path, self.offset, self.length = state.get("relative_path"), state.get("offset"), state.get("length")
             self.transform_descriptors = state.get("transform_descriptors")
+            if len(state) == 3 or (len(state) == 4 and "transform_descriptors" in state):
+                return
+        except (KeyError, TypeError, AttributeError):
+            pass
+        state = _as_dict(self, state)
+        _refuse_unknown(self, state)
+        self.relative_path, self.offset, self.length = state.get("relative_path"), state.get("offset"), state.get("length")
+        self.transform_descriptors = state.get("transform_descriptors")
 
 
 class _TensorProperties(_Record):
-    __slots__ = ("dtype",)
+    """DCP pickles ``(dtype, layout, requires_grad, memory format code, pin_memory)``, and
+    from torch 2.15 on ``strides`` after them: the saved tensor's strides (``(1, 4)`` for a
+    transposed 4x2 weight). They say how the tensor lay in the saving process's memory, not
+    how its bytes are stored: each torch.save record carries its own strides (read from the
+    record, as torch does), and a safetensors blob is row-major whatever the tensor was. So
+    reshard checks them and keeps them, and reads nothing by them."""
+
+    __slots__ = ("dtype", "strides")
+    _ignored = frozenset({"layout", "requires_grad", "memory_format", "pin_memory"})
 
     def __setstate__(self, state: Any) -> None:
-        # DCP pickles (dtype, layout, requires_grad, memory format code, pin_memory).
-        if isinstance(state, tuple) and len(state) == 5:
+        if isinstance(state, tuple) and len(state) in (5, 6):
             self.dtype = state[0]
+            self.strides = state[5] if len(state) == 6 else None
+        elif isinstance(state, tuple):
+            raise _NewField(f"TensorProperties has {len(state)} fields, which reshard does not know "
+                            "(it knows torch's 5 and, from torch 2.15, 6 with strides)")
         else:
             super().__setstate__(state)
 
@@ -495,7 +555,20 @@ def _unpickled(meta_path: Path) -> Any:
     millions of objects, none in a reference cycle, and the collector's passes over them were
     a third of the unpickling time."""
     with paused_gc():
-        return safe_loads(meta_path.read_bytes(), _GLOBALS, origin=meta_path)
+        try:
+            return safe_loads(meta_path.read_bytes(), _GLOBALS, origin=meta_path)
+        except _NewField as e:
+            raise _newer(meta_path, str(e)) from None
+
+
+def _newer(meta_path: Path, what: str) -> NewerFormatError:
+    """The refusal of a ``.metadata`` newer than reshard. DCP records no torch version, so the
+    message names the newest torch reshard was tested with."""
+    from reshard import __version__
+    from reshard.torch_support import FLOOR, NEWEST_TESTED
+
+    return NewerFormatError(f"{meta_path}: {what}: written by a torch newer than reshard {__version__} supports "
+                            f"(it reads DCP from torch {FLOOR} to {NEWEST_TESTED}); upgrade reshard (pip install -U reshard)")
 
 
 def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
@@ -510,6 +583,10 @@ def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
         raise CorruptCheckpointError(f"{meta_path}: does not hold DCP Metadata")
     if not isinstance(meta.storage_data, dict):
         raise CorruptCheckpointError(f"{meta_path}: has no storage records (storage_data)")
+    if meta.version not in DCP_VERSIONS:
+        if not isinstance(meta.version, str):
+            raise CorruptCheckpointError(f"{meta_path}: DCP version {meta.version!r} is not a string")
+        raise _newer(meta_path, f"DCP format version {meta.version!r}, which reshard does not know")
     files = _Files(root, [])
     records = _StorageRecords(meta.storage_data, meta_path, files)
     meta.storage_data = None  # its records are columns now; let the objects go
@@ -532,6 +609,9 @@ def read_metadata_file(meta_path: Path, root: Path) -> DCPIndex:
         dtype = md.properties.dtype if type(md.properties) is _TensorProperties else None
         if not isinstance(dtype, DType) or any(s < 0 for s in shape):
             raise CorruptCheckpointError(f"{where}: invalid dtype {dtype!r} or shape {shape}")
+        strides = md.properties.strides
+        if strides is not None and len(_ints(strides, f"{where} strides")) != len(shape):
+            raise CorruptCheckpointError(f"{where}: strides {tuple(strides)} do not fit shape {shape}")
         if not isinstance(md.chunks, (list, tuple)):
             raise CorruptCheckpointError(f"{where}: chunk list is {type(md.chunks).__name__}")
         tensors[name] = (shape, dtype, list(md.chunks))
