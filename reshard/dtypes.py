@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard, final
 
 import numpy as np
 
-from reshard.errors import UsageError
+from reshard.errors import UnsupportedFormatError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,11 @@ class DType:
         if found is None:
             import torch
 
-            found = self._torch = getattr(torch, self.name)
+            found = getattr(torch, self.name, None)
+            if found is None:
+                raise UnsupportedFormatError(f"{self.name} tensors need torch {SINCE.get(self.name, 'newer than this')} or "
+                                             f"newer (this is torch {torch.__version__}): upgrade torch to read them as tensors")
+            self._torch = found
         return found
 
     @property
@@ -82,7 +86,7 @@ class DType:
 _BYTES: dict[int, np.dtype] = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64),
                           16: np.dtype(np.complex128)}  # moved by assignment, never arithmetic: bit for bit
 
-# torch's dtypes as torch 2.13 names them (tests/test_dtypes.py checks this table against the
+# torch's dtypes as torch 2.15 names them (tests/test_dtypes.py checks this table against the
 # installed torch): canonical name, width, kind, aliases.
 _TABLE: list[tuple[str, int, str, tuple[str, ...]]] = [
     ("float64", 8, "f", ("double",)), ("float32", 4, "f", ("float",)), ("float16", 2, "f", ("half",)),
@@ -90,6 +94,7 @@ _TABLE: list[tuple[str, int, str, tuple[str, ...]]] = [
     ("float8_e5m2", 1, "f", ()), ("float8_e5m2fnuz", 1, "f", ()), ("float8_e8m0fnu", 1, "f", ()),
     ("float4_e2m1fn_x2", 1, "f", ()),
     ("complex128", 16, "c", ("cdouble",)), ("complex64", 8, "c", ("cfloat",)), ("complex32", 4, "c", ("chalf",)),
+    ("bcomplex32", 4, "c", ()),
     ("int64", 8, "i", ("long",)), ("int32", 4, "i", ("int",)), ("int16", 2, "i", ("short",)), ("int8", 1, "i", ()),
     *((f"int{n}", 1, "i", ()) for n in range(1, 8)),
     ("uint64", 8, "u", ()), ("uint32", 4, "u", ()), ("uint16", 2, "u", ()), ("uint8", 1, "u", ()),
@@ -100,6 +105,10 @@ _TABLE: list[tuple[str, int, str, tuple[str, ...]]] = [
     ("bits16", 2, "x", ()), ("bits8", 1, "x", ()), ("bits1x8", 1, "x", ()), ("bits2x4", 1, "x", ()),
     ("bits4x2", 1, "x", ()),
 ]
+
+# dtypes newer than reshard's torch floor (2.9): the release that added each. A checkpoint holding
+# one is read and copied byte for byte by any torch; only making its tensors needs that release.
+SINCE: dict[str, str] = {"bcomplex32": "2.15"}
 
 # Every name torch gives a dtype (aliases included) -> its DType.
 DTYPES: dict[str, DType] = {}

@@ -134,6 +134,10 @@ class StoredRegion:
 
     def read_from(self, fd: Handle, box: Box, into: torch.Tensor | None = None) -> torch.Tensor:
         """``read_array`` as a torch tensor of the region's dtype; ``into``: uint8 scratch."""
+        if box.numel == 0:  # torch's own empty tensor: numpy cannot shape one with a dim past 2**63 bytes
+            import torch
+
+            return torch.empty(box.sizes, dtype=self.dtype.torch)
         return as_tensor(self.read_array(fd, box, None if into is None else into.numpy()), self.dtype)
 
     def read_array(self, fd: Handle, box: Box, into: np.ndarray | None = None) -> np.ndarray:

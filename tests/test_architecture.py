@@ -171,6 +171,11 @@ def test_quantized_releases_pass_as_their_quantizer_expects(tmp_path: Path) -> N
     mx = save_mxfp4_gpt_oss(_mkdir(tmp_path / "mx"))
     for src, arch in ((fp8, "DeepseekV3ForCausalLM"), (mx, "GptOssForCausalLM")):
         result = reshard.convert(src, tmp_path / f"{src.name}_hf", to="hf", quiet=True)
+        if arch == "GptOssForCausalLM" and _mxfp4_needs_kernels():
+            # a CUDA build of torch brings triton, and then transformers' MXFP4 quantizer wants
+            # the `kernels` package too: the check says so instead of passing or failing
+            assert any(f"cannot build {arch} here" in n and "kernels" in n for n in result.notices), result.notices
+            continue
         assert any(n.startswith(f"checked against {arch}") for n in result.notices), result.notices
 
     config = json.loads((fp8 / "config.json").read_text())
@@ -181,6 +186,12 @@ def test_quantized_releases_pass_as_their_quantizer_expects(tmp_path: Path) -> N
     plain = check_architecture({k: v for k, v in config.items() if k != "quantization_config"}, tensors)
     assert len(plain.unexpected) == 28 and all(n.endswith("weight_scale_inv") for n in plain.unexpected)
     assert plain.dtypes and "float8_e4m3fn, the model's bfloat16" in plain.dtypes[0]
+
+
+def _mxfp4_needs_kernels() -> bool:
+    from transformers.utils import is_kernels_available, is_triton_available
+
+    return is_triton_available("3.5.0") and not is_kernels_available()
 
 
 def _mkdir(path: Path) -> Path:

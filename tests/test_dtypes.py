@@ -8,7 +8,8 @@ import torch
 
 from reshard import dtypes
 from reshard.dtypes import DTYPES, dtype_name, parse_dtype
-from reshard.errors import UsageError
+from reshard.errors import UnsupportedFormatError, UsageError
+from reshard.torch_support import release
 
 
 def test_names_and_aliases() -> None:
@@ -23,13 +24,22 @@ def test_names_and_aliases() -> None:
 def test_table_is_torchs_own() -> None:
     """Every name torch gives a dtype, with its width and kind, and nothing torch lacks."""
     theirs = {n: d for n in dir(torch) if isinstance(d := getattr(torch, n, None), torch.dtype)}
-    assert set(theirs) == set(DTYPES)
+    assert set(theirs) <= set(DTYPES), set(theirs) - set(DTYPES)
+    # what this torch lacks is what a newer release added (dtypes.SINCE), and nothing else
+    assert set(DTYPES) - set(theirs) == {n for n, v in dtypes.SINCE.items() if release(torch.__version__) < release(v)}
     for name, td in theirs.items():
         ours = DTYPES[name]
         assert ours.torch is td and dtypes.of(td) is ours and ours.itemsize == td.itemsize, name
         if ours.kind in "fcbiu":  # quantized and bits dtypes answer neither question
             assert (ours.is_floating_point, ours.is_complex) == (td.is_floating_point, td.is_complex), name
         assert ours.bytes_dtype.itemsize == td.itemsize
+
+
+def test_a_dtype_newer_than_this_torch_says_which_release_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh = dtypes.DType("bcomplex32", 4, "c")  # an uninterned copy: the interned one may have found torch's
+    monkeypatch.delattr(torch, "bcomplex32", raising=False)
+    with pytest.raises(UnsupportedFormatError, match="bcomplex32 tensors need torch 2.15 or newer"):
+        _ = fresh.torch
 
 
 def test_interned_and_guarded() -> None:

@@ -114,8 +114,8 @@ def test_torch_2_15_records_strides_and_reshard_checks_them(tmp_path: Path, monk
     assert set(index.tensors) == {"transposed", "channels_last", "offset_view", "plain"}
     assert b"channels_last" in (folder / ".metadata").read_bytes()
 
-    five = TensorProperties.__getstate__
-    monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: (*five(self), (1, 2, 3, 4, 5, 6, 7)))
+    own = TensorProperties.__getstate__  # 5 fields before torch 2.15, 6 from it on
+    monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: (*own(self)[:5], (1, 2, 3, 4, 5, 6, 7)))
     folder = _rewritten(tmp_path, lambda meta: None)
     monkeypatch.undo()
     proc = run_cli("inspect", folder)
@@ -165,8 +165,8 @@ def test_tensor_properties_of_unknown_length_are_a_newer_format(tmp_path: Path, 
     """A seventh field after 2.15's six (pickled as torch's own ``__getstate__`` would)."""
     from torch.distributed.checkpoint.metadata import TensorProperties
 
-    six = TensorProperties.__getstate__
-    monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: (*six(self), None, "a new field"))
+    own = TensorProperties.__getstate__
+    monkeypatch.setattr(TensorProperties, "__getstate__", lambda self: (*own(self)[:5], None, "a new field"))
     folder = _rewritten(tmp_path, lambda meta: None)
     monkeypatch.undo()
     proc = run_cli("inspect", folder)

@@ -303,3 +303,20 @@ def test_writer_refuses_what_safetensors_cannot_hold(tmp_path: Path) -> None:
         FMT.writer(tmp_path / "o.safetensors").layout(whole_target({"__metadata__": torch.zeros(1)}))
     with pytest.raises(UsageError, match="size '0' must be positive"):
         FMT.writer(tmp_path / "o", ConvertOptions(max_shard_size="0"))
+
+
+def test_an_empty_tensor_with_a_huge_dim_reads_as_safetensors_reads_it(tmp_path: Path) -> None:
+    """Shape [2**63 - 1, 0] holds no element, so safetensors accepts it (found by the fuzzer,
+    tests/test_fuzz.py); numpy cannot shape even an empty array that wide, so reshard read it
+    with a ValueError. It reads as torch's empty tensor of that shape now, as safetensors gives."""
+    import struct
+
+    header = json.dumps({"e": {"dtype": "F32", "shape": [2**63 - 1, 0], "data_offsets": [0, 0]}}).encode()
+    path = tmp_path / "wide.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header)
+    with safe_open(str(path), "pt") as f:
+        theirs = f.get_tensor("e")
+    catalog = SafetensorsFormat().read(path)
+    (chunk,) = catalog.tensors["e"].chunks
+    ours = chunk.data.read_all()
+    assert ours.shape == theirs.shape == (2**63 - 1, 0) and ours.dtype == theirs.dtype == torch.float32

@@ -111,8 +111,9 @@ def test_a_storage_retyped_by_a_later_reference_is_refused(tmp_path: Path) -> No
     src = _raw_legacy(tmp_path / "retyped.pt", obj, {"k": (4, floats.numpy().tobytes())},
                       lambda o: ("storage", *types[id(o)][:1], "k", "cpu", types[id(o)][1], None) if id(o) in types
                       else None)
-    theirs = torch.load(src, weights_only=False)  # our own file: torch's reader as the oracle
-    assert theirs["b"].dtype == torch.float32 and theirs["b"].tolist() == [1, 2, 3, 4]
+    theirs = torch.load(src, weights_only=False)["b"]  # our own file: torch's reader as the oracle
+    # torch <= 2.14 types the storage by its first reference, 2.15 each reference on its own
+    assert (theirs.dtype, theirs.tolist()) in ((torch.float32, [1, 2, 3, 4]), (torch.uint8, [0, 0, 128, 63]))
     with pytest.raises(CorruptCheckpointError, match=r"retyped\.pt: tensors 'a' and 'b' share a storage with "
                                                      r"different dtypes \('a' float32, 'b' uint8\)"):
         TorchSaveFormat().read(src)

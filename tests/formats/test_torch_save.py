@@ -28,7 +28,7 @@ from reshard.plan import full_target
 from reshard.regions import StoredRegion
 from reshard.target import Target
 from tests.dist import run_world
-from tests.fixtures import TinyNet, full_tensor, onto, save_editing_refs
+from tests.fixtures import TinyNet, full_tensor, onto, save_editing_refs, torch_reading_of_retyped
 from tests.formats.test_dcp import _Evil
 from tests.formats.test_torch_zip import _write
 from tests.test_cli import assert_one_line_error
@@ -231,10 +231,14 @@ def test_a_storage_retyped_by_a_later_reference_is_refused(tmp_path: Path) -> No
     src, long_src = tmp_path / "m.pt", tmp_path / "long.pt"
     save_editing_refs({"a": a, "b": b}, src, onto(b, a))
     save_editing_refs({"a": a, "b": longer}, long_src, onto(longer, a))
-    theirs = torch.load(src, weights_only=True)
-    assert theirs["b"].dtype == torch.float32 and theirs["b"].tolist() == [1, 2, 3, 4]
-    with pytest.raises(RuntimeError, match="resize"):
-        torch.load(long_src, weights_only=True)
+    theirs = torch_reading_of_retyped(lambda: torch.load(src, weights_only=True)["b"])
+    assert theirs is None or (theirs.dtype == torch.float32 and theirs.tolist() == [1, 2, 3, 4])
+    try:  # torch <= 2.14 cannot grow the storage 'a' typed; 2.15 types each reference on its own
+        longer_read = torch.load(long_src, weights_only=True)["b"]
+    except RuntimeError as e:
+        assert "resize" in str(e)
+    else:
+        assert longer_read.dtype == torch.uint8 and longer_read.view(torch.float32).tolist() == [1, 2, 3, 4]
     message = "tensors 'a' and 'b' share a storage with different dtypes ('a' float32, 'b' uint8)"
     with pytest.raises(CorruptCheckpointError, match=re.escape(f"long.pt: {message}")):
         reshard.inspect(long_src)
@@ -487,8 +491,9 @@ def test_unplaceable_dtensors_are_refused(saved, tmp_path: Path, monkeypatch) ->
 
 def test_rank_files_retyping_a_storage_are_refused(saved) -> None:
     root, _ = saved
-    theirs = torch.load(root / "retyped" / "rank1.pt", weights_only=False)  # a DTensor inside: our own fixture
-    assert theirs["b"].dtype == torch.float32 and theirs["b"].tolist() == [1, 2, 3, 4]
+    # a DTensor inside: our own fixture
+    theirs = torch_reading_of_retyped(lambda: torch.load(root / "retyped" / "rank1.pt", weights_only=False)["b"])
+    assert theirs is None or (theirs.dtype == torch.float32 and theirs.tolist() == [1, 2, 3, 4])
     with pytest.raises(CorruptCheckpointError, match=re.escape("tensors 'a' and 'b' share a storage with different "
                                                                "dtypes ('a' float32, 'b' int16)")):
         TorchRanksFormat().read(root / "retyped")
