@@ -108,7 +108,7 @@ _TABLE: list[tuple[str, int, str, tuple[str, ...]]] = [
 
 # dtypes newer than reshard's torch floor (2.9): the release that added each. A checkpoint holding
 # one is read and copied byte for byte by any torch; only making its tensors needs that release.
-SINCE: dict[str, str] = {"bcomplex32": "2.15"}
+SINCE: dict[str, str] = {"bcomplex32": "2.14"}
 
 # Every name torch gives a dtype (aliases included) -> its DType.
 DTYPES: dict[str, DType] = {}

@@ -14,6 +14,8 @@ What it writes (tens of KiB in all; tests/data/compat/README.md has the table):
   ``single_file_per_rank=False``, ``SerializationFormat.SAFETENSORS``, the ZStandard
   extension; the model alone by ``HuggingFaceStorageWriter`` (distributed shards, and
   consolidated).
+- ``experimental_sync/``: the same state by ``torch.distributed.checkpoint._experimental``'s
+  synchronous checkpointer (``checkpoint_<rank>.pt``, torch.save of each rank's DTensors).
 - ``full_state_dict.pt``: torch.save of ``get_state_dict(..., full_state_dict=True)``, both the
   torch.save fixture and the expected values. Before it is kept, this torch's own readers
   (``dcp_to_torch_save`` of each DCP folder, safetensors of the consolidated HF output) must
@@ -48,6 +50,8 @@ DEFAULT_OUT = ROOT / "tests" / "data" / "compat"
 WORLD = 2
 DCP_VARIANTS = ("dcp_default", "dcp_per_item", "dcp_safetensors", "dcp_zstd")
 HF_VARIANTS = ("hf_sharded", "hf_consolidated")
+# torch.distributed.checkpoint._experimental's synchronous checkpointer: torch.save per rank
+EXPERIMENTAL = "experimental_sync"
 
 
 class Tiny(nn.Module):
@@ -146,6 +150,14 @@ def _train_and_save(rank: int, init: str, out: Path, errors: Path) -> None:
             if rank == 0:
                 (errors / name).write_text(_refusal(e))
         dist.barrier()
+    try:
+        from torch.distributed.checkpoint._experimental.builder import make_sync_checkpointer
+    except ImportError as e:
+        if rank == 0:
+            (errors / EXPERIMENTAL).write_text(f"this torch has no such writer ({type(e).__name__}: {e})")
+    else:
+        make_sync_checkpointer().save(str(out / EXPERIMENTAL), state)
+    dist.barrier()
     full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         torch.save({"model": full[0], "optim": full[1]}, out / "full_state_dict.pt")
@@ -232,6 +244,19 @@ def _torch_reads(folder: Path, tmp: Path) -> dict:
     return torch.load(target, weights_only=True)
 
 
+def _experimental_reads(folder: Path, full: dict) -> str | None:
+    """The experimental checkpointer's files hold each rank's DTensor shards: their local
+    tensors must be the full state dict's rows, in rank order (FSDP2 shards dim 0)."""
+    shards = [torch.load(folder / f"checkpoint_{r}.pt", weights_only=False) for r in range(WORLD)]  # our own files
+    for section in ("model",):
+        for name, want in full[section].items():
+            got = torch.cat([s[section][name].to_local() for s in shards])
+            problem = _equal(got, want, f"{folder.name}.{section}.{name}")
+            if problem:
+                return problem
+    return None
+
+
 def _check(out: Path, written: list[str]) -> None:
     """Refuse to keep fixtures that this torch's own readers do not read as the full state dict."""
     from safetensors.torch import load_file
@@ -241,7 +266,9 @@ def _check(out: Path, written: list[str]) -> None:
         for name in written:
             if name == "dcp_safetensors":
                 continue  # torch writes SerializationFormat.SAFETENSORS but has no reader for it
-            if name == "hf_consolidated":
+            if name == EXPERIMENTAL:
+                problem = _experimental_reads(out / name, full)
+            elif name == "hf_consolidated":
                 files = sorted((out / name).glob("*.safetensors"))
                 read: dict = {}
                 for f in files:
@@ -310,7 +337,7 @@ def main() -> None:
                     q.kill()
                 raise SystemExit(f"rank process exited with {p.exitcode}")
         skipped = {f.name: f.read_text() for f in sorted(errors.iterdir())}
-    written = [n for n in (*DCP_VARIANTS, *HF_VARIANTS) if n not in skipped]
+    written = [n for n in (*DCP_VARIANTS, *HF_VARIANTS, EXPERIMENTAL) if n not in skipped]
     skipped.update(_strided(out))
     _check(out, written)
     manifest = {
@@ -321,7 +348,8 @@ def main() -> None:
         "skipped": skipped,
         "checked": "equal to full_state_dict.pt as this torch reads them: dcp_to_torch_save of each DCP folder but "
                    "dcp_safetensors (torch has no reader for that serialization), HuggingFaceStorageReader of hf_sharded, "
-                   "safetensors of hf_consolidated; dcp_to_torch_save of strided equals strided.safetensors",
+                   "safetensors of hf_consolidated, the model's local shards of experimental_sync in rank order; "
+                   "dcp_to_torch_save of strided equals strided.safetensors",
         "loads_reshard_mesh3": _loads_reshard_output(args.out),
     }
     if (args.out / "reshard-mesh3").is_dir():

@@ -38,7 +38,7 @@ def test_table_is_torchs_own() -> None:
 def test_a_dtype_newer_than_this_torch_says_which_release_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     fresh = dtypes.DType("bcomplex32", 4, "c")  # an uninterned copy: the interned one may have found torch's
     monkeypatch.delattr(torch, "bcomplex32", raising=False)
-    with pytest.raises(UnsupportedFormatError, match="bcomplex32 tensors need torch 2.15 or newer"):
+    with pytest.raises(UnsupportedFormatError, match="bcomplex32 tensors need torch 2.14 or newer"):
         _ = fresh.torch
 
 

@@ -9,11 +9,13 @@ global shape, the mesh shape, the rank's coordinate and the placements.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.errors import CorruptCheckpointError
+from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.regions import StoredRegion
 from reshard.safe_pickle.inert import Sealed
 
@@ -91,16 +93,7 @@ def dtensor_ref(where: str, wrapper: Any, state: dict) -> DTensorRef:
         raise CorruptCheckpointError(f"{where}: DTensor without its global shape")
     mesh = s.get("mesh")
     mstate = mesh.state if isinstance(mesh, Record) and isinstance(mesh.state, dict) else {}
-    layout = mstate.get("_layout")
-    mesh_shape: tuple[int, ...] = ()
-    if isinstance(layout, Record) and isinstance(layout.state, dict):
-        # One _FlatLayout per mesh dimension; a flattened dimension's shape is itself a tuple.
-        axes = layout.state.get("axes")
-        axes = axes if isinstance(axes, tuple) else (axes,)
-        if axes and all(isinstance(a, Record) and isinstance(a.state, dict) for a in axes):
-            mesh_shape = tuple(_numel(a.state.get("shape", ())) for a in axes)
-    if not mesh_shape and isinstance(mstate.get("mesh"), StoredRegion):
-        mesh_shape = mstate["mesh"].shape
+    mesh_shape = _mesh_shape(where, mstate)
     coord = mstate.get("_coordinate_on_dim")
     order = s.get("shard_order")
     return DTensorRef(
@@ -112,6 +105,70 @@ def dtensor_ref(where: str, wrapper: Any, state: dict) -> DTensorRef:
         mesh_dim_names=mstate.get("_mesh_dim_names"),
         extra={"shard_order": order} if order is not None else {},
     )
+
+
+def _mesh_shape(where: str, mstate: dict) -> tuple[int, ...]:
+    """The mesh's shape from a pickled DeviceMesh, in each form torch has pickled it: a ``mesh``
+    tensor of rank ids (up to 2.9); a ``_MeshLayout`` of ``shape`` and ``stride`` beside a
+    ``_rank_map`` (2.10 to 2.12); a ``_MeshLayout`` of one ``_FlatLayout`` per dimension beside
+    the ``_rank_map`` (2.13 on). Ranks are placed in row-major order (``ranks._coordinate``), so
+    a layout or rank map that orders them otherwise is refused, not read with wrong offsets; ()
+    when the mesh is not there (the caller refuses the placements)."""
+    layout = mstate.get("_layout")
+    if isinstance(layout, Record) and isinstance(layout.state, dict):
+        axes = layout.state.get("axes")
+        if axes is not None:  # one _FlatLayout per mesh dimension; a flattened one's shape is a tuple
+            axes = axes if isinstance(axes, tuple) else (axes,)
+            if not (axes and all(isinstance(a, Record) and isinstance(a.state, dict) for a in axes)):
+                return ()
+            shapes, strides = [a.state.get("shape", ()) for a in axes], [a.state.get("stride", ()) for a in axes]
+        else:
+            shape, stride = layout.state.get("shape"), layout.state.get("stride")
+            shapes = list(shape) if isinstance(shape, tuple) else [shape]
+            strides = list(stride) if isinstance(stride, tuple) else [stride]
+        sizes, steps = _flat(shapes), _flat(strides)
+        if sizes is None or steps is None or len(sizes) != len(steps):
+            return ()
+        row_major = [math.prod(sizes[i + 1:]) for i in range(len(sizes))]
+        if any(n > 1 and s != r for n, s, r in zip(sizes, steps, row_major)):
+            raise UnsupportedFormatError(f"{where}: DTensor on a DeviceMesh whose ranks are not in row-major order "
+                                         f"(layout {tuple(shapes)} : {tuple(strides)}); save it with dcp.save instead")
+        _require_identity(where, mstate.get("_rank_map"), math.prod(sizes))
+        return tuple(_numel(s) for s in shapes)
+    if isinstance(mstate.get("mesh"), StoredRegion):
+        return mstate["mesh"].shape
+    return ()
+
+
+def _flat(values: list[Any]) -> list[int] | None:
+    out: list[int] = []
+    for v in values:
+        if isinstance(v, int):
+            out.append(v)
+        elif isinstance(v, tuple):
+            inner = _flat(list(v))
+            if inner is None:
+                return None
+            out += inner
+        else:
+            return None
+    return out
+
+
+def _require_identity(where: str, rank_map: Any, n: int) -> None:
+    """A ``_rank_map`` other than ranks 0..n-1 in order puts shards elsewhere than row-major
+    placement assumes: refused. (A one-rank mesh holds the whole tensor, whichever rank it is.)"""
+    if rank_map is None or n <= 1:
+        return
+    if not isinstance(rank_map, StoredRegion) or _rank_map_values(rank_map) != tuple(range(n)):
+        raise UnsupportedFormatError(f"{where}: DTensor on a DeviceMesh with its own rank order (_rank_map); "
+                                     "save it with dcp.save instead")
+
+
+@functools.lru_cache(maxsize=64)
+def _rank_map_values(region: StoredRegion) -> tuple[int, ...]:
+    """One read per mesh: every DTensor of a file names the same one."""
+    return tuple(int(x) for x in region.read_all().reshape(-1).tolist())
 
 
 def _numel(shape: Any) -> int:

@@ -47,6 +47,9 @@ from reshard.values import same_value, tensor_digest
 __all__ = ["rank_files", "read_set", "read_trees", "complete_set", "first_refused", "one_set"]
 
 _RANK = re.compile(r"(?<![a-z])rank[_-]?(\d+)(?!\d)", re.IGNORECASE)
+# torch.distributed.checkpoint._experimental's checkpointer: one torch.save per rank, named by the
+# rank alone. Taken as a rank set only when the numbers run 0..N-1 (not step-numbered saves).
+_EXPERIMENTAL = re.compile(r"checkpoint_(\d+)\.pt")
 
 def rank_files(folder: Path) -> dict[str, dict[int, Path]]:
     """Torch files whose names carry a rank number, grouped by the name around the number
@@ -59,6 +62,11 @@ def rank_files(folder: Path) -> dict[str, dict[int, Path]]:
         if found:
             m = found[-1]
             groups.setdefault(p.name[: m.start(1)] + "{}" + p.name[m.end(1) :], {}).setdefault(int(m.group(1)), p)
+        elif numbered_by_rank := _EXPERIMENTAL.fullmatch(p.name):
+            groups.setdefault("checkpoint_{}.pt", {}).setdefault(int(numbered_by_rank.group(1)), p)
+    numbered = groups.get("checkpoint_{}.pt")
+    if numbered is not None and sorted(numbered) != list(range(len(numbered))):
+        del groups["checkpoint_{}.pt"]
     return groups
 
 

@@ -1,6 +1,7 @@
 """Checkpoints written by every torch release reshard supports (tests/data/compat/torch-*, each
 made by that release itself with scripts/make_compat_fixtures.py), read exactly: each DCP writer
-variant, HuggingFaceStorageWriter's output and the torch.save file convert to what that torch's
+variant, HuggingFaceStorageWriter's output, the ``_experimental`` checkpointer's per-rank files
+and the torch.save file convert to what that torch's
 ``get_state_dict(full_state_dict=True)`` gave, tensor for tensor and object for object;
 non-contiguous and channels_last tensors (torch 2.15 records their strides) to the tensors saved;
 ``load_model`` resumes each release's 2-rank checkpoint on 3 FSDP2 ranks. Every release also
@@ -19,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from reshard.formats.dcp.metadata import NewerFormatError
 from safetensors.torch import load_file
 
 import reshard
-from reshard.formats.dcp.metadata import NewerFormatError
 from reshard.torch_support import FLOOR, NEWEST_TESTED, TESTED, release
 from tests.dist import run_world
 from tests.test_cli import assert_one_line_error
@@ -33,6 +34,7 @@ COMPAT = ROOT / "tests" / "data" / "compat"
 RELEASES = sorted((p for p in COMPAT.glob("torch-*") if p.is_dir()), key=lambda p: release(p.name[6:]) or (0, 0))
 DCP_VARIANTS = ("dcp_default", "dcp_per_item", "dcp_safetensors", "dcp_zstd")
 HF_VARIANTS = ("hf_sharded", "hf_consolidated")
+EXPERIMENTAL = "experimental_sync"  # torch.distributed.checkpoint._experimental: torch.save per rank
 
 
 def _script():
@@ -78,7 +80,7 @@ def test_fixtures_cover_every_release_pyproject_accepts() -> None:
     for folder in RELEASES:
         manifest = _manifest(folder)
         assert manifest["torch"].split("+")[0] == folder.name[6:], manifest["torch"]
-        assert set(DCP_VARIANTS + HF_VARIANTS) <= set(manifest["written"]), (folder.name, manifest["skipped"])
+        assert set(DCP_VARIANTS + HF_VARIANTS + (EXPERIMENTAL,)) <= set(manifest["written"]), (folder.name, manifest["skipped"])
         for name in manifest["written"]:
             assert (folder / name).exists(), (folder.name, name)
 
@@ -86,7 +88,7 @@ def test_fixtures_cover_every_release_pyproject_accepts() -> None:
 @pytest.mark.parametrize("folder", RELEASES, ids=lambda p: p.name)
 def test_every_variant_converts_to_torchs_full_state_dict(folder: Path, tmp_path: Path) -> None:
     full = torch.load(folder / "full_state_dict.pt", weights_only=True)
-    for name in (*DCP_VARIANTS, "full_state_dict.pt"):
+    for name in (*DCP_VARIANTS, EXPERIMENTAL, "full_state_dict.pt"):
         out = tmp_path / f"{name}.out.pt"
         reshard.convert(folder / name, out)
         _same(torch.load(out, weights_only=True), full, f"{folder.name}/{name}")
@@ -105,9 +107,8 @@ def test_torch_2_15_records_strides_and_reshard_checks_them(tmp_path: Path, monk
     """2.15's TensorProperties has a sixth field, the tensor's strides; the bytes come from each
     record (which carries its own strides), so the tensors read back as saved (above). Strides
     that do not fit the tensor are refused, not ignored."""
-    from torch.distributed.checkpoint.metadata import TensorProperties
-
     from reshard.formats.dcp.metadata import read_metadata_file
+    from torch.distributed.checkpoint.metadata import TensorProperties
 
     folder = COMPAT / "torch-2.15.0" / "strided"
     index = read_metadata_file(folder / ".metadata", folder)

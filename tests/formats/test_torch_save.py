@@ -353,6 +353,12 @@ def _save_worker(rank: int, world_size: int, out: str) -> None:
     single = distribute_tensor(torch.arange(6.0), one, [Shard(0)])
     if rank == 1:
         torch.save({"w": single}, root / "one_rank.pt")
+    # A mesh whose ranks run backwards: rank r holds shard world_size-1-r (torch 2.13 keeps the order
+    # in _rank_map); placed in row-major order it would read each shard at another's offsets.
+    from torch.distributed.device_mesh import DeviceMesh
+
+    backwards = DeviceMesh("cpu", torch.arange(world_size).flip(0))
+    torch.save({"w": distribute_tensor(torch.arange(8.0), backwards, [Shard(0)])}, root / "reordered" / f"rank{rank}.pt")
     ref.update(_save_verl(root / "verl", rank, world_size, mesh))
     # Rank files in which 'b' (int16) names the storage of 'a' (float32), as torch.save would not write them.
     a, b = torch.tensor([1.0, 2, 3, 4]), torch.tensor([5, 6, 7, 8], dtype=torch.int16)
@@ -399,7 +405,7 @@ def _save_verl(folder: Path, rank: int, world_size: int, mesh) -> dict[str, torc
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     """One 4-rank gloo world for every multi-rank check (ranks are slow to start)."""
     root = tmp_path_factory.mktemp("ranks")
-    for sub in ("fsdp", "hsdp", "partial", "verl", "retyped"):
+    for sub in ("fsdp", "hsdp", "partial", "verl", "retyped", "reordered"):
         (root / sub).mkdir()
     run_world(_save_worker, 4, str(root), timeout=240)
     return root, torch.load(root / "ref.pt", weights_only=True)
@@ -471,6 +477,8 @@ def test_unplaceable_dtensors_are_refused(saved, tmp_path: Path, monkeypatch) ->
         TorchSaveFormat().read(root / "fsdp" / "rank1.pt")
     # A DTensor on a one-rank mesh is a whole tensor.
     _same(full_tensor(TorchSaveFormat().read(root / "one_rank.pt").tensors["w"]), torch.arange(6.0))
+    with pytest.raises(UnsupportedFormatError, match=r"rank0\.pt: DTensor on a DeviceMesh with its own rank order"):
+        TorchRanksFormat().read(root / "reordered")
     # _StridedShard (FSDP2 over TP) and non-default shard orders: files faked at the pickle level.
     local = StoredRegion(root / "one_rank.pt", 0, torch.float32, (2,))
     for placements, extra, message in [
@@ -505,6 +513,14 @@ def test_rank_file_names_and_detection(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(b"")
     assert {k: sorted(v) for k, v in rank_files(tmp_path).items()} == {
         "rank{}.pt": [0, 1], "model_world_size_2_rank_{}.bin": [0, 1]}
+    experimental, steps = tmp_path / "experimental", tmp_path / "steps"  # torch's _experimental checkpointer
+    for folder, names in ((experimental, ("checkpoint_0.pt", "checkpoint_1.pt", "checkpoint_2.pt")),
+                          (steps, ("checkpoint_1000.pt", "checkpoint_2000.pt"))):  # step numbers: not ranks
+        folder.mkdir()
+        for name in names:
+            (folder / name).write_bytes(b"")
+    assert {k: sorted(v) for k, v in rank_files(experimental).items()} == {"checkpoint_{}.pt": [0, 1, 2]}
+    assert rank_files(steps) == {} and not TorchRanksFormat().detect(steps)
     assert TorchRanksFormat().detect(tmp_path)
     with pytest.raises(UnsupportedFormatError, match=r"model_world_size_2_rank_\*\.bin, rank\*\.pt; put each set"):
         TorchRanksFormat().read(tmp_path)
