@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Mapping
+import shlex
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from reshard.dtypes import by_name
-from reshard.errors import CorruptCheckpointError
+from reshard.errors import CorruptCheckpointError, option
 from reshard.options import named
+from reshard.sizes import plural
 
 __all__ = ["ArchitectureCheck", "ArchitectureMismatchError", "check_architecture", "require_architecture", "COMPUTE_DTYPES"]
 
@@ -74,7 +76,7 @@ class ArchitectureCheck:
         if self.missing:
             parts.append(f"{len(self.missing)} of its {self.expected} tensors missing ({_names(self.missing)})")
         if self.unexpected:
-            parts.append(f"{len(self.unexpected)} tensors it does not have ({_names(self.unexpected)})")
+            parts.append(f"{plural(len(self.unexpected), 'tensor')} it does not have ({_names(self.unexpected)})")
         if self.mismatched:
             name, found, want = self.mismatched[0]
             parts.append(f"{len(self.mismatched)} of another shape ({name}: {list(found)}, the model's is {list(want)})")
@@ -82,15 +84,21 @@ class ArchitectureCheck:
             parts.append(f"{len(self.dtypes)} of a dtype it would not read as stored ({self.dtypes[0]})")
         return "; ".join(parts)
 
-    def hint(self) -> str:
-        """The likely fix, from what was found."""
+    def hint(self, source_name: Callable[[str], str] | None = None) -> str:
+        """The likely fix, from what was found; ``source_name`` gives the source's name of a
+        tensor a key map or the export renamed (``--exclude`` matches those)."""
         config = "give the config of the model these weights are with --config CONFIG.json|HF_DIR|REPO_ID"
         if self.missing and self.unexpected:
             return f"rename the tensors to the model's names with --keymap PRESET|MAP.json, or {config}"
         if self.missing or self.mismatched or self.errors:
             return config
         if self.unexpected:
-            return f"leave out what the model does not have with --exclude GLOB, or {config}"
+            names = [(source_name or str)(n) for n in self.unexpected]
+            shown = names[:_SHOWN]
+            what = option("--exclude " + " ".join(shlex.quote(n) for n in shown), f"exclude={shown!r}")
+            renamed = " (the source's name" + ("s" if len(shown) > 1 else "") + ")" if names != self.unexpected else ""
+            more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+            return f"leave out what the model does not have with {what}{renamed}{more}, or {config}"
         return config
 
     def notice(self) -> str:
@@ -163,14 +171,15 @@ def check_architecture(config: Mapping[str, Any], tensors: Mapping[str, Any]) ->
 
 
 def require_architecture(config: Mapping[str, Any], tensors: Mapping[str, Any], *, where: str, action: str,
-                         fix: str | None = None) -> str:
+                         fix: str | None = None, source_name: Callable[[str], str] | None = None) -> str:
     """The check's notice for a result, or ArchitectureMismatchError naming the first problems,
-    the likely fix (``fix``, else a guess from the names) and the flag that does ``action``
-    anyway."""
+    the likely fix (``fix``, else a guess from the names, in the source's names where
+    ``source_name`` gives them) and the flag that does ``action`` anyway."""
     check = check_architecture(config, tensors)
     if check.checked and not check.ok:
         raise ArchitectureMismatchError(
-            f"{where}: not the {check.architecture} its config.json describes: {check.problems()}; {fix or check.hint()}, "
+            f"{where}: not the {check.architecture} its config.json describes: {check.problems()}; "
+            f"{fix or check.hint(source_name)}, "
             f"or pass {named('architecture_check')} to {action} anyway")
     return check.notice()
 

@@ -276,10 +276,17 @@ class Catalog:
     # What ``conventions.detect_layout`` found, carried by ``dataclasses.replace`` to the next
     # step's catalog (a step that changes the tables or the layout attributes changes the key).
     detected_layouts: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    # name here -> the source's name, for the tensors a key map or an export renamed: advice
+    # names what the user can type (``--exclude`` matches source names)
+    renamed_from: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+    def source_name(self, name: str) -> str:
+        """What the source calls tensor ``name`` of this catalog."""
+        return self.renamed_from.get(name, name)
 
     def nested_path(self, name: str) -> NestedPath:
         return self.paths.get(name, (name,))

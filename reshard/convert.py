@@ -14,7 +14,7 @@ from reshard.catalog import Catalog, pick_objects
 from reshard.conventions import Layout, detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
-from reshard.errors import SourceChangedError, UsageError, option
+from reshard.errors import OutputExistsError, SourceChangedError, UsageError, option
 from reshard.formats.registry import (
     all_suffixes,
     format_entry,
@@ -33,13 +33,14 @@ from reshard.mesh.placements import load_placement_plan
 from reshard.mesh.sharding import MeshSpec, parse_mesh
 from reshard.mesh.target import mesh_target
 from reshard.options import ConvertOptions, named
-from reshard.parallel import Workers, current_workers, split_files, world
+from reshard.parallel import Workers, current_workers, mark_shared, split_files, world
 from reshard.pieces import OutputFile
 from reshard.plan import DtypeKeep, Plan, full_target, make_plan, model_section
 from reshard.protocol import Writer
 from reshard.sinks import FolderSink, OutputSink, RemoteSink, StagedSink
 from reshard.sizes import format_size, preview
 from reshard.sources import given_config, given_layout, local_path, resolve_source
+from reshard.staging import refuse_taken
 from reshard.target import Target
 
 __all__ = ["ConvertResult", "convert", "build_target", "write_output", "default_destination", "source_files"]
@@ -175,8 +176,10 @@ def convert(
 
 
 def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: ConvertOptions, start: float) -> ConvertResult:
-    source = resolve_source(src, opts.source)
     dst_path = local_path(dst) if dst is not None else None
+    if dst_path is not None and not opts.dry_run:  # a taken name fails before anything is read
+        _refuse_taken(dst_path, opts.overwrite)
+    source = resolve_source(src, opts.source)
     remote_dst = str(dst) if dst is not None and dst_path is None else None  # an fsspec URL (reshard.sinks)
     catalog = source.catalog
     before = source_files(catalog) if source.path is not None else {}
@@ -199,6 +202,8 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
             raise UsageError(f"{src}: a remote source needs an explicit DST (a path or URL)")
         dst_path = default_destination(source.beside, to, sharded=opts.shard_bytes is not None,
                                        mesh_label=spec.label if spec else None, dtype=cast)
+        if not opts.dry_run:
+            _refuse_taken(dst_path, opts.overwrite)
     out = dst_path if dst_path is not None else remote_dst
     assert out is not None  # the DST given, or its default
     check_output_options(Path(out), to, opts)
@@ -235,6 +240,15 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
     stats = write_output(plan, writer, target, files, sink, current_workers() if remote_dst is None else None, opts,
                          desc=f"{source.label} → {shown}")
     return result(time.perf_counter() - start, stats.kernel_bytes)
+
+
+def _refuse_taken(dst: Path, overwrite: bool) -> None:
+    """``staging.refuse_taken`` before the work: every rank of a torchrun job meets it alike,
+    before any has written, so rank 0 alone says it."""
+    try:
+        refuse_taken(dst, overwrite)
+    except OutputExistsError as e:
+        raise mark_shared(e) from None
 
 
 def _refuse_overlap(src: str | os.PathLike, url: str, storage_options: dict | None) -> None:
@@ -324,9 +338,11 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     if prepare is not None:  # what this output holds, by its own rules (the HF export: reshard.export)
         catalog, keep = load_target(prepare)(catalog, opts, keep)
     else:  # an HF source's config.json travels as objects, for a later --to hf
-        from reshard.provenance import carry_hf_configs
+        from reshard.provenance import carried_notice, carry_hf_configs
 
-        carry_hf_configs(catalog)
+        carried = carry_hf_configs(catalog)
+        if carried and only is None:  # --only keeps a section, which these are not in
+            catalog = replace(catalog, notices=[*catalog.notices, carried_notice(carried)])
     if keep.patterns and not any(keep(n) for n in catalog.tensors):
         raise UsageError(f"{option('--keep-dtype ' + ' '.join(keep.patterns), f'keep_dtype={list(keep.patterns)!r}')} "
                          f"matches no tensor of the output; try `reshard inspect` for names")

@@ -125,14 +125,18 @@ def generation_config(config: dict[str, Any]) -> dict[str, Any]:
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def _model_tensors(catalog: Catalog, layout: Layout) -> tuple[dict[str, TensorEntry], list[str]]:
-    """(HF name -> entry) of the model's tensors, and what was left out, in words."""
+def _model_tensors(catalog: Catalog, layout: Layout) -> tuple[dict[str, TensorEntry], list[str], dict[str, str]]:
+    """(HF name -> entry) of the model's tensors, what was left out, in words, and the source's
+    name of each HF name that differs from it."""
     kept: dict[str, TensorEntry] = {}
+    origin: dict[str, str] = {}
     optim, other = 0, []
     for name, entry in catalog.tensors.items():
         p = layout.place(name)
         if p.role == PARAM and p.fqn is not None:
             kept[p.fqn] = entry.renamed(p.fqn)
+            if catalog.source_name(name) != p.fqn:
+                origin[p.fqn] = catalog.source_name(name)
         elif p.role in (OPTIM_STATE, OPTIM_GROUP):
             optim += 1
         else:
@@ -142,7 +146,7 @@ def _model_tensors(catalog: Catalog, layout: Layout) -> tuple[dict[str, TensorEn
         notices.append(f"{plural(optim, 'optimizer state tensor')} left out: an HF folder holds model weights only")
     if other:
         notices.append(f"{plural(len(other), 'tensor')} outside the model section left out (e.g. {other[0]!r})")
-    return kept, notices
+    return kept, notices, origin
 
 
 def _source_assets(catalog: Catalog) -> dict[str, Path]:
@@ -203,7 +207,7 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
         layout = detect_layout(catalog)
     elif skip:
         notices.append(skip)
-    tensors, dropped = _model_tensors(catalog, layout)
+    tensors, dropped, origin = _model_tensors(catalog, layout)
     notices += dropped
     if config is None and train is not None:
         tie = bool(train.get("tie_embeddings", False))
@@ -229,7 +233,8 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
         "hf_config": config, "hf_generation_config": gen, "hf_notices": notices, "hf_assets": files,
         "hf_source": f"the {catalog.format} checkpoint `{catalog.path.name}`",
     }
-    return Catalog(catalog.format, catalog.path, tensors=tensors, attrs=attrs, notices=list(catalog.notices))
+    return Catalog(catalog.format, catalog.path, tensors=tensors, attrs=attrs, notices=list(catalog.notices),
+                   renamed_from=origin)
 
 
 

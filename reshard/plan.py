@@ -253,6 +253,7 @@ def full_target(catalog: Catalog, *, dtype: DType | None = None, only: str | Non
         paths={n: p for n, p in catalog.paths.items() if n in out or n in objects},
         attrs=dict(catalog.attrs),
         notices=[*catalog.notices, *casting.notice()],
+        renamed_from={n: s for n, s in catalog.renamed_from.items() if n in out},
     )
 
 

@@ -17,7 +17,7 @@ from reshard.errors import CorruptCheckpointError
 
 __all__ = [
     "CONFIG_OBJECT", "GENERATION_OBJECT", "TRAIN_CONFIG_PREFIX",
-    "hf_configs", "carry_hf_configs", "training_config", "model_params",
+    "hf_configs", "carry_hf_configs", "carried_notice", "training_config", "model_params",
 ]
 
 CONFIG_OBJECT = "hf.config_json"
@@ -45,13 +45,24 @@ def hf_configs(catalog: Catalog) -> tuple[dict[str, Any] | None, dict[str, Any] 
     return _carried(catalog, CONFIG_OBJECT), _carried(catalog, GENERATION_OBJECT)
 
 
-def carry_hf_configs(catalog: Catalog) -> None:
-    """Record an HF source's side files as objects, so they survive a conversion to any format."""
+def carry_hf_configs(catalog: Catalog) -> list[str]:
+    """Record an HF source's side files as objects, so they survive a conversion to any format;
+    the names of the objects added."""
+    added = []
     for name, attr in _ATTRS.items():
         value = catalog.attrs.get(attr)
         if isinstance(value, dict) and name not in catalog.objects:
             catalog.objects[name] = json.dumps(value, sort_keys=True)
             catalog.paths[name] = tuple(name.split("."))
+            added.append(name)
+    return added
+
+
+def carried_notice(names: list[str]) -> str:
+    """What the output holds beside the tensors, for users of torch's own tools, which show it."""
+    files = " and ".join(n.removeprefix("hf.").removesuffix("_json") + ".json" for n in names)
+    return (f"the source's {files} kept as text ({', '.join(names)}): torch's own readers (dcp_to_torch_save, "
+            "torch.load) show it as a top-level 'hf' entry beside the tensors; a later --to hf rebuilds the file from it")
 
 
 def training_config(catalog: Catalog) -> dict[str, Any] | None:

@@ -26,7 +26,7 @@ from types import TracebackType
 from reshard.errors import OutputExistsError, ReshardError, UsageError, option
 from reshard.manifest import FileDigest, write_manifest
 
-__all__ = ["StagedOutput"]
+__all__ = ["StagedOutput", "refuse_taken"]
 
 
 def _alive(pid: int) -> bool:
@@ -59,6 +59,17 @@ def _pid_in(fd: int) -> int:
     return int(text) if text.isdigit() else 0
 
 
+def refuse_taken(dst: Path, overwrite: bool) -> None:
+    """Refuse an output whose parent folder is missing, or that exists (unless ``overwrite``):
+    asked again when the output is claimed, and first of all before a conversion reads anything,
+    so that a taken name fails at once, not after the work."""
+    parent = dst.parent
+    if not parent.is_dir():
+        raise UsageError(f"{dst}: parent folder {parent} does not exist")
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise OutputExistsError(f"{dst} already exists; pass {option('--overwrite', 'overwrite=True')} to replace it")
+
+
 class StagedOutput:
     """``with StagedOutput(dst, is_dir) as out: write under out.staging; out.commit()`` (or
     ``open()`` ... ``commit()``, and ``close()`` in any case, as ``reshard.sinks.StagedSink`` does)."""
@@ -86,11 +97,7 @@ class StagedOutput:
     def open(self) -> None:
         """Claim ``dst``: refuse an existing output (unless ``overwrite``), take the lock,
         sweep what dead conversions left, make the staging folder (for a folder output)."""
-        parent = self.dst.parent
-        if not parent.is_dir():
-            raise UsageError(f"{self.dst}: parent folder {parent} does not exist")
-        if (self.dst.exists() or self.dst.is_symlink()) and not self.overwrite:
-            raise OutputExistsError(f"{self.dst} already exists; pass {option('--overwrite', 'overwrite=True')} to replace it")
+        refuse_taken(self.dst, self.overwrite)
         try:
             self._take_lock()
         except ReshardError:

@@ -54,6 +54,8 @@ class Target:
     world_size: int = 1
     mesh: MeshSpec | None = None
     notices: list[str] = field(default_factory=list)  # what the layout dropped or changed
+    # tensor name -> the source's name where they differ (``Catalog.renamed_from``)
+    renamed_from: dict[str, str] = field(default_factory=dict, repr=False)
 
     def nested_path(self, name: str) -> NestedPath:
         return self.paths.get(name, (name,))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -113,9 +114,24 @@ def test_shapes_leftovers_and_dtypes_are_named(llama: Path, tmp_path: Path) -> N
     (tmp_path / "plus").mkdir()
     save_file(plus, tmp_path / "plus" / "model.safetensors", metadata={"format": "pt"})
     shutil.copy(llama / "config.json", tmp_path / "plus")
-    with pytest.raises(ArchitectureMismatchError, match=r"1 tensors it does not have \(extra.weight\); leave out"):
+    with pytest.raises(ArchitectureMismatchError, match=re.escape(
+            "1 tensor it does not have (extra.weight); leave out what the model does not have with "
+            "exclude=['extra.weight'], or give")):
         reshard.convert(tmp_path / "plus", tmp_path / "out", to="hf", quiet=True)
     reshard.convert(tmp_path / "plus", tmp_path / "out", to="hf", exclude="extra.weight", quiet=True)
+
+    # A training checkpoint ({"model": ...}): the export drops the section prefix, so the output's
+    # name (freqs_cis) is not what --exclude matches; the hint names what to type.
+    trained = tmp_path / "trained.pt"
+    torch.save({"model": {**load_file(llama / "model.safetensors"), "freqs_cis": torch.ones(4, 2)}, "step": 3}, trained)
+    from tests.test_cli import assert_one_line_error
+    from tests.test_cli import reshard as cli
+
+    proc = cli("convert", trained, tmp_path / "trained_hf", "--to", "hf", "--config", llama)
+    assert_one_line_error(proc, "1 tensor it does not have (freqs_cis); leave out what the model does not have with "
+                          "--exclude model.freqs_cis (the source's name), or give")
+    proc = cli("convert", trained, tmp_path / "trained_hf", "--to", "hf", "--config", llama, "--exclude", "model.freqs_cis")
+    assert proc.returncode == 0, proc.stderr
 
     # Raw float8 bytes where the model has a float parameter: transformers would cast them unscaled.
     fp8 = {n: (replace_dtype(t, "float8_e4m3fn") if n.endswith("q_proj.weight") else t) for n, t in tensors.items()}

@@ -333,3 +333,62 @@ def test_float_objects_keep_their_bits_through_safetensors_and_zarr(tmp_path: Pa
         assert list(back["by_id"]) == [0] and _bits(back["by_id"][0]) == _bits(-0.0), hop
         if "ordered" in kept:  # zarr keeps it in its torch.save side file
             assert type(back["ordered"]) is OrderedDict and back["ordered"] == OrderedDict(lr=0.1)
+
+
+def test_a_taken_output_fails_before_the_source_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """"out already exists; pass --overwrite" came after the whole read and plan (25 s of an HF
+    export); it comes first now, for a DST given and for the default one, and --dry-run (which
+    writes nothing) still runs."""
+    import importlib
+
+    from reshard.errors import OutputExistsError
+    from tests.test_cli import reshard as cli
+
+    src = tmp_path / "m.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(2, 3)}, src)
+    taken = tmp_path / "out.pt"
+    taken.write_bytes(b"mine")
+    module = importlib.import_module("reshard.convert")
+    read = module.resolve_source
+
+    def never_read(*args, **kwargs):
+        raise AssertionError("the source was read before the output was checked")
+
+    monkeypatch.setattr(module, "resolve_source", never_read)
+    with pytest.raises(OutputExistsError, match="out.pt already exists; pass overwrite=True"):
+        reshard.convert(src, taken)
+    proc = cli("convert", src, taken)
+    assert proc.returncode == 2 and "out.pt already exists; pass --overwrite" in proc.stderr
+    with pytest.raises(UsageError, match="parent folder"):
+        reshard.convert(src, tmp_path / "missing" / "out.pt")
+    monkeypatch.setattr(module, "resolve_source", read)
+    assert reshard.convert(src, taken, dry_run=True).dry_run
+    assert taken.read_bytes() == b"mine"
+    reshard.convert(src, taken, overwrite=True)
+    assert torch.equal(torch.load(taken, weights_only=True)["w"], torch.ones(2, 3))
+
+
+def test_an_hf_sources_config_is_kept_and_said_to_be(tmp_path: Path) -> None:
+    """torch's dcp_to_torch_save of reshard's DCP output shows a top-level 'hf' key (the config
+    JSON as text): kept for a later --to hf, and the conversion now says so."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.test_cli import reshard as cli
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({"model.embed.weight": torch.ones(4, 2)}, src / "model.safetensors")
+    (src / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 2}))
+    proc = cli("convert", src, tmp_path / "out", "--to", "dcp")
+    assert proc.returncode == 0, proc.stderr
+    assert "config.json kept as text (hf.config_json): torch's own readers" in proc.stderr
+    assert "top-level 'hf' entry" in proc.stderr
+    dcp_to_torch_save(tmp_path / "out", tmp_path / "theirs.pt")
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=True)
+    assert json.loads(theirs["hf"]["config_json"])["hidden_size"] == 2
+    only = reshard.convert(src, tmp_path / "only.pt", only="model")
+    assert not any("kept as text" in n for n in only.notices)

@@ -39,24 +39,33 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
 COMMANDS = ("reshard", "python", "torchrun", "pip")
 
+UPLOADS = "uploads to the Hub"
 # (substring of the command, why it does not run here). Keep this short and honest.
 SKIPPED = (
     ("pip install", "installs packages: CI runs this very command (.ci/run)"),
     ("python scripts/bench", "a benchmark: minutes and GBs of data (docs/benchmarks.md shows its output)"),
     ("python -m pytest", "the test suite itself"),
     ("torchrun", "a multi-process launcher (tests/test_mesh_convert.py and test_runtime.py run the same paths)"),
-    ("reshard push ckpt/step-1000_bfloat16_hf me/my-llama --private", "uploads to the Hub"),
-    ("reshard push out/ user/model", "uploads to the Hub"),
+    ("reshard push ckpt/step-1000_bfloat16_hf me/my-llama --private", UPLOADS),
+    ("reshard push out/ user/model", UPLOADS),  # but not with --dry-run, which checks and lists offline
     ("reshard convert meta-llama/", "downloads from the Hub (the folder it would make is provided)"),
     ("reshard validate", "trains and resumes on spawned worlds for a minute (tests/test_validate.py runs it)"),
 )
+# A block that loads into a `model` it does not make (one that makes it, as the README's, runs).
+FRAGMENT = "reshard.load_model(model"
+
+
+def _is_fragment(text: str) -> bool:
+    return FRAGMENT in text and not re.search(r"^model\s*=", text, re.M)
+
+
 # The same for blocks other than shell commands: Python, and text that is no command here.
 BLOCKS_SKIPPED = (
     ('validate("2", "3"', "trains and resumes on spawned worlds for a minute (tests/test_validate.py runs it)"),
     ('init_process_group("nccl")', "GPUs under torchrun (tests/test_runtime.py, test_deepspeed_resume.py and "
                                    "test_torchtitan_resume.py load the same way on gloo)"),
-    ("reshard.load_model(model", "a fragment: `model` and its optimizer are the reader's own, under torchrun "
-                                 "(tests/test_runtime.py loads the same way on gloo)"),
+    (FRAGMENT, "a fragment: `model` and its optimizer are the reader's own, under torchrun "
+               "(tests/test_runtime.py loads the same way on gloo)"),
     ("reshard inspect s3://bucket", "S3 buckets and the Hub: network and credentials (the memory:// block after it "
                                     "runs the same steps)"),
 )
@@ -163,7 +172,9 @@ def skip_reason(command: Command) -> str | None:
     if command.text.startswith(TORCHRUN_HERE):
         return None
     table = SKIPPED if command.language == "shell" else BLOCKS_SKIPPED
-    listed = next((why for part, why in (*RUN_ELSEWHERE, *table) if part in command.text), None)
+    listed = next((why for part, why in (*RUN_ELSEWHERE, *table) if part in command.text
+                   and (part != FRAGMENT or _is_fragment(command.text))
+                   and not (why == UPLOADS and "--dry-run" in command.text.split())), None)
     return listed or (None if command.language in ("shell", "python") else NOT_CODE.get(command.language))
 
 

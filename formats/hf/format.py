@@ -69,7 +69,8 @@ class HFWriter(SafetensorsWriter):
         if config is None:  # --weights-only: no config.json, no model to check against
             self.checked = None
         elif self.architecture_check:
-            self.checked = require_architecture(config, target.tensors, where=str(self.dst), action="write it")
+            self.checked = require_architecture(config, target.tensors, where=str(self.dst), action="write it",
+                                                source_name=lambda n: target.renamed_from.get(n, n))
         else:
             self.checked = f"not checked against an architecture ({named('architecture_check')})"
         return super().layout(target)

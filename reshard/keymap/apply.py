@@ -290,4 +290,6 @@ def apply_keymap(km: Router, catalog: Catalog) -> Catalog:
                              + ", ".join(b.dropped[:4]) + (" ..." if len(b.dropped) > 4 else ""))
     for name in catalog.objects:
         b.obj(name)
+    b.out.renamed_from = {new: catalog.source_name(src) for new, src in b.owner.items()
+                          if new in b.out.tensors and catalog.source_name(src) != new}
     return b.out

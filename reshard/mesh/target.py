@@ -83,4 +83,5 @@ def mesh_target(
         world_size=mesh.world_size,
         mesh=mesh,
         notices=notices,
+        renamed_from={n: s for n, s in catalog.renamed_from.items() if n in tensors},
     )
