@@ -38,6 +38,7 @@ from typing import Any, cast
 from reshard.dtypes import by_name
 from reshard.errors import CorruptCheckpointError, option
 from reshard.options import named
+from reshard.progress import status
 from reshard.sizes import plural
 
 __all__ = ["ArchitectureCheck", "ArchitectureMismatchError", "check_architecture", "require_architecture", "COMPUTE_DTYPES"]
@@ -145,6 +146,14 @@ def check_architecture(config: Mapping[str, Any], tensors: Mapping[str, Any]) ->
     ``config`` (config.json as a dict) describes, on the meta device, as ``from_pretrained``
     would. Never raises for a mismatch: the result says what was found."""
     problem = _compute_dtype_problem(config)
+    names = config.get("architectures")
+    shown = names[0] if isinstance(names, list) and names and isinstance(names[0], str) else config.get("model_type", "model")
+    # transformers and the model's module take seconds to import (a minute on a busy machine)
+    with status(f"checking the tensors against {shown}: importing transformers, building it on the meta device"):
+        return _checked(config, tensors, problem)
+
+
+def _checked(config: Mapping[str, Any], tensors: Mapping[str, Any], problem: str | None) -> ArchitectureCheck:
     try:
         import transformers
     except ImportError:

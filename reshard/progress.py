@@ -27,7 +27,7 @@ from typing import TextIO
 from reshard.log import LOGGER
 from reshard.sizes import format_size
 
-__all__ = ["Progress", "format_duration"]
+__all__ = ["Progress", "format_duration", "status"]
 
 # A terminal that reports no size (a pty nobody sized: `script`, some IDEs and agents) gets
 # this one: tqdm would take its 0 columns and -1 rows and draw nothing at all.
@@ -43,6 +43,27 @@ def format_duration(seconds: float) -> str:
         return f"{minutes}m{seconds:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+@contextlib.contextmanager
+def status(message: str, stream: TextIO | None = None) -> Iterator[None]:
+    """``message`` on the terminal's status line while the block runs (seconds of imports,
+    before any bar: "checking against LlamaForCausalLM: importing transformers"), erased when
+    it ends; off a terminal only the debug log has it (a log file needs no transient line)."""
+    out = stream or sys.stderr
+    shown = out.isatty()
+    if shown:
+        width = _columns(out) or _FALLBACK_SIZE[0]
+        out.write(("reshard: " + message)[: width - 1] + "\r")
+        out.flush()
+    else:
+        LOGGER.debug("reshard: %s", message)
+    try:
+        yield
+    finally:
+        if shown:
+            out.write("\x1b[K")  # the line is free again for the bar or the next message
+            out.flush()
 
 
 def _columns(stream: TextIO) -> int:

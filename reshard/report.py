@@ -164,17 +164,8 @@ def catalog_json(catalog: Catalog, *, chunks_as_text: bool = False) -> dict[str,
 
 
 @without_gc
-def catalog_table(catalog: Catalog) -> str:
-    schemes, scales = _quantized(catalog)
-
-    def quant(name: str) -> str:
-        return schemes.get(name) or (f"scale of {scales[name]}" if name in scales else "")
-
-    rows = [(t.name, dtype_name(t.dtype), "x".join(map(str, t.shape)) or "scalar", format_size(t.nbytes),
-             str(t.chunk_count), quant(t.name)) for t in sorted(catalog.tensors.values(), key=lambda t: t.name)]
-    head = ("name", "dtype", "shape", "bytes", "chunks", "quantized" if schemes else "")
-    widths = [max(len(r[i]) for r in rows + [head]) for i in range(6)]
-    fmt = "  ".join(f"{{:<{w}}}" if i in (0, 1, 2, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
+def catalog_header(catalog: Catalog) -> list[str]:
+    """What the checkpoint is, in a few lines: format, size, layout, the mesh it was saved on."""
     lines = [summary_line(catalog)]
     layout = _layout(catalog)
     if layout["name"] is None:
@@ -189,6 +180,21 @@ def catalog_table(catalog: Catalog) -> str:
     if (mesh := source_mesh(catalog)) is not None:
         lines.append("mesh: " + (", ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"])) if mesh["names"]
                                  else "x".join(map(str, mesh["shape"]))))
+    return lines
+
+
+def catalog_table(catalog: Catalog) -> str:
+    schemes, scales = _quantized(catalog)
+
+    def quant(name: str) -> str:
+        return schemes.get(name) or (f"scale of {scales[name]}" if name in scales else "")
+
+    rows = [(t.name, dtype_name(t.dtype), "x".join(map(str, t.shape)) or "scalar", format_size(t.nbytes),
+             str(t.chunk_count), quant(t.name)) for t in sorted(catalog.tensors.values(), key=lambda t: t.name)]
+    head = ("name", "dtype", "shape", "bytes", "chunks", "quantized" if schemes else "")
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(6)]
+    fmt = "  ".join(f"{{:<{w}}}" if i in (0, 1, 2, 5) else f"{{:>{w}}}" for i, w in enumerate(widths))
+    lines = catalog_header(catalog)
     lines += ["", fmt.format(*head).rstrip()] + [fmt.format(*r).rstrip() for r in rows]
     if catalog.objects:
         lines += ["", f"objects ({len(catalog.objects)}):"]

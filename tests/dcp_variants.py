@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tests.dist import HANG_GUARD
+
 __all__ = ["WORLD_VARIANTS", "LOCAL_VARIANTS", "source_state_dict", "write_variants", "MULTICHUNK_FULL"]
 
 WORLD_VARIANTS = (
@@ -121,7 +123,7 @@ def _world(rank: int, world_size: int, root: str) -> None:
             dcp.async_save(sd, storage_writer=writers["default"](p)).result()
         elif name == "async_process":
             dcp.async_save(sd, storage_writer=writers["default"](p),
-                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(timeout=120)
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS).result(timeout=HANG_GUARD)
         elif name == "no_collectives":
             dcp.save(sd, storage_writer=writers["default"](p), use_collectives=False)
         elif name == "hf_consolidated":
@@ -162,7 +164,7 @@ def _local(root: Path) -> None:
 
 
 def write_variants(root: Path) -> None:
-    from reshard.runtime.world import run_world
+    from tests.dist import run_world
 
     run_world(_world, 2, str(root))
     with warnings.catch_warnings():

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.dist import HANG_GUARD
+
 
 def reshard(*args: str | Path) -> subprocess.CompletedProcess:
     """Run the CLI in this process (``main`` is what the console script calls): torch is
@@ -30,7 +32,7 @@ def reshard(*args: str | Path) -> subprocess.CompletedProcess:
 def reshard_process(*args: str | Path) -> subprocess.CompletedProcess:
     exe = shutil.which("reshard")
     cmd = [exe] if exe else [sys.executable, "-m", "reshard"]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=HANG_GUARD)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -122,7 +124,7 @@ def test_piped_help_keeps_every_example_line_whole() -> None:
     commands = typer.main.get_command(app).commands
     code = "import sys\nfrom reshard.cli import main\nfor c in sys.argv[1:]:\n    main([c, '--help'])\n    print('\\0')"
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "TERMINAL_WIDTH")}
-    proc = subprocess.run([sys.executable, "-c", code, *commands], capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run([sys.executable, "-c", code, *commands], capture_output=True, text=True, timeout=HANG_GUARD, env=env)
     assert proc.returncode == 0, proc.stderr
     for name, shown in zip(commands, proc.stdout.split("\0")):
         lines = {line.strip() for line in shown.splitlines()}
@@ -156,7 +158,7 @@ def _torchrun_world(args: list[str | Path], world: int = 2) -> list[subprocess.C
              for r in range(world)]
     out = []
     for proc in procs:
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=HANG_GUARD)
         out.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
     return out
 
@@ -216,3 +218,20 @@ def test_a_mistyped_command_is_named_and_help_points_at_the_commands() -> None:
     proc = reshard("conver", "ckpt/")
     assert_one_line_error(proc, "Did you mean 'convert'?", "(see `reshard --help`)")
     assert "reshard conver --help" not in proc.stderr
+
+
+def test_inspect_to_mesh_answers_for_the_mesh_first(fsdp2_dcp) -> None:
+    """`reshard inspect ckpt/ --to-mesh 4x8` reprinted the whole tensor table and every object
+    before the per-rank answer asked for; now the checkpoint's summary lines, then that answer,
+    and how to see the rest."""
+    src = fsdp2_dcp[0]
+    plain = reshard("inspect", src).stdout
+    proc = reshard("inspect", src, "--to-mesh", "4x8")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == plain.splitlines()[0] and lines[1].startswith("layout: ")
+    first_table_row = next(line for line in plain.splitlines() if line.startswith("name "))
+    assert first_table_row not in lines and not any(line.startswith("objects (") for line in lines)
+    at = next(i for i, line in enumerate(lines) if line.startswith("on mesh "))
+    assert at < 8 and lines[at + 1].split() == ["params", "optim", "other", "total", "ranks"]
+    assert lines[-1] == f"every tensor and object: reshard inspect {src}"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist import HANG_GUARD
 from tests.schema import check
 from tests.test_cli import reshard as run_cli
 
@@ -70,10 +71,10 @@ def test_help_and_usage_errors_do_not_import_torch() -> None:
     code = ("import sys\nfrom reshard.cli import main\nrc = main(sys.argv[1:])\n"
             "print('torch' in sys.modules, rc)")
     for argv in (["--help"], ["convert", "--help"], ["convert", "--bogus"], ["verify"]):
-        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=HANG_GUARD)
         assert proc.stdout.strip().splitlines()[-1].startswith("False"), (argv, proc.stdout[-200:])
     bare = "import sys, reshard, reshard.options, reshard.formats.registry; print('torch' in sys.modules)"
-    proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.stdout.strip() == "False", proc.stderr[-500:]
 
 
@@ -108,7 +109,7 @@ def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Pa
     for argv in commands:
         argv = [str(a) for a in argv]
         proc = subprocess.run([sys.executable, "-c", code, *argv, "--quiet"] if argv[0] == "convert" else
-                              [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+                              [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=HANG_GUARD)
         assert proc.stdout.strip().splitlines()[-1] == "False 0", (argv, proc.stdout[-300:], proc.stderr[-500:])
 
     for name in ("all.safetensors", "back.safetensors", "zarr.safetensors", "packed.safetensors"):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import reshard
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 
 DATA = Path(__file__).resolve().parent / "data" / "deepspeed"
 
@@ -81,4 +81,4 @@ def _resume(rank: int, world: int) -> None:
 
 
 def test_load_model_moves_a_zero3_run_to_fsdp2_on_three_ranks() -> None:
-    run_world(_resume, 3, timeout=300)
+    run_world(_resume, 3, timeout=HANG_GUARD)

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from reshard.cli import main
+from tests.dist import HANG_GUARD
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
@@ -232,7 +233,7 @@ def _torchrun(words: list[str], where: Path, env: dict[str, str]) -> tuple[int, 
     at = words.index("--nproc_per_node") + 1
     words = [sys.executable, "-m", "torch.distributed.run", *words[1:at], "2", *words[at + 1:]]
     proc = subprocess.run(words, cwd=where, env=_with_root(**env, OMP_NUM_THREADS="1"), capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=HANG_GUARD)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -254,7 +255,7 @@ def readme_set_up(where: Path) -> None:
     steps = [step for step in steps if step[:2] != ["pip", "install"]]
     assert [w[:2] for w in steps] == [["python", "scripts/example.py"]], first
     proc = subprocess.run([sys.executable, str(ROOT / steps[0][1]), *steps[0][2:]], cwd=where, env=_with_root(),
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.returncode == 0, f"{first}\nexit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.dist import HANG_GUARD
 from tests.test_docs_commands import ROOT, _blocks
 
 DOC = ROOT / "docs" / "recipes" / "resume.md"
@@ -31,7 +32,7 @@ def test_resume_example_saves_on_two_ranks_and_resumes_on_three(tmp_path: Path) 
     for command in commands:
         # torchrun from this interpreter; --standalone picks a free port
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *command[1:]], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=240)
+                              capture_output=True, text=True, timeout=HANG_GUARD)
         assert proc.returncode == 0, proc.stderr[-3000:]
         printed.append(re.search(r"(save|resume) on (\d) ranks: loss (\S+), adam step (\d+)", proc.stdout).groups())
     (_, n_save, loss_save, step_save), (_, n_resume, loss_resume, step_resume) = printed

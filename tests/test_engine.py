@@ -10,6 +10,7 @@ from reshard.engine import Engine
 from reshard.pieces import OutputFile, Piece
 from reshard.plan import full_target, make_plan
 from reshard.regions import StoredRegion
+from tests.dist import HANG_GUARD
 
 
 def _sharded_catalog(tmp_path: Path, t: torch.Tensor, rows: list[int], name: str = "w") -> Catalog:
@@ -105,7 +106,7 @@ def test_more_files_than_the_open_file_limit(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "mid"),
                            str(tmp_path / "out.pt")],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(list((tmp_path / "mid").glob("*.distcp"))) == 120
     assert torch.equal(torch.load(tmp_path / "out.pt", weights_only=True)["w"], torch.load(tmp_path / "in.pt")["w"])

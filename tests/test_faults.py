@@ -27,6 +27,7 @@ import torch
 import reshard.engine
 from reshard.errors import OutputExistsError
 from reshard.staging import StagedOutput
+from tests.dist import HANG_GUARD
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as cli
 
@@ -58,7 +59,7 @@ def _convert_args(src: Path, plan: Path, dst: Path) -> list[str]:
             "--quiet", "--overwrite"]
 
 
-def _wait_for(predicate, timeout: float = 120.0, step: float = 0.005) -> float:
+def _wait_for(predicate, timeout: float = HANG_GUARD, step: float = 0.005) -> float:
     start = time.monotonic()
     while not predicate():
         if time.monotonic() - start > timeout:
@@ -118,7 +119,7 @@ def _kill_at(args: list[str], src: Path, dst: Path, digest: str, phase: str, del
                   or proc.poll() is not None)
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    proc.wait(timeout=HANG_GUARD)
     complete = _assert_absent_or_complete(src, dst, why)
     assert _digest(src) == digest, f"{why}: the source changed"
     assert sorted(p.name for p in src.parent.iterdir()) == ["plan.json", "src.pt"], why
@@ -199,7 +200,7 @@ print(json.dumps(out))
 
 def _namespaces_work() -> bool:
     try:
-        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=HANG_GUARD).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -212,7 +213,7 @@ def test_real_full_disk_and_read_only_destination(source, tmp_path: Path) -> Non
     (tmp_path / "full").mkdir()
     (tmp_path / "ro").mkdir()
     proc = subprocess.run(["unshare", "-rm", sys.executable, "-c", _NAMESPACE_SCRIPT, str(src),
-                           str(tmp_path / "full"), str(tmp_path / "ro")], capture_output=True, text=True, timeout=300)
+                           str(tmp_path / "full"), str(tmp_path / "ro")], capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, problem in (("full", "No space left on device"), ("ro", "Read-only file system")):
@@ -289,7 +290,7 @@ def test_two_conversions_into_one_destination(source, tmp_path: Path) -> None:
     dst = tmp_path / "out"
     args = _EXE + _convert_args(src, plan, dst)[:-1]  # no --overwrite: the loser must not replace the winner
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    done = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    done = [(p.wait(timeout=HANG_GUARD), p.stderr.read()) for p in procs]
     assert sorted(code for code, _ in done) == [0, 2], done
     loser = next(err for code, err in done if code == 2).strip().splitlines()
     assert len(loser) == 1 and str(dst) in loser[0], loser
@@ -326,6 +327,6 @@ def test_lock_admits_one_writer_at_a_time(tmp_path: Path) -> None:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=60)
+            t.join(timeout=HANG_GUARD)
     assert most[0] == 1 and admitted[0] >= 15
     assert _leftovers(dst) == [] and dst.read_text() == "x"

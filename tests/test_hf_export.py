@@ -13,7 +13,7 @@ import torch
 
 import reshard
 from reshard.cli import main
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 from tests.hf_models import TOKENS
 
 _CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -69,7 +69,7 @@ def _tokenizer(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("hf-export")
-    run_world(_train_and_save, 2, str(root), timeout=240)
+    run_world(_train_and_save, 2, str(root), timeout=HANG_GUARD)
     _tokenizer(root / "tok")
     return root
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import reshard
 import reshard.hub
+from tests.dist import HANG_GUARD
 from tests.hf_models import save_tiny_llama
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
@@ -42,7 +43,7 @@ def test_dry_run_offline_lists_every_file_through_the_entry_point(exported: Path
     exe = shutil.which("reshard")
     assert exe, "the reshard console script is installed with the package"
     proc = subprocess.run([exe, "push", str(exported), "someone/tiny-llama", "--dry-run"],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=HANG_GUARD, env=env)
     assert proc.returncode == 0, proc.stderr
     listed = {line.split()[0] for line in proc.stdout.splitlines()[1:]}
     weights = {p.name for p in exported.glob("*.safetensors")}

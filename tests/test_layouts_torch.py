@@ -27,7 +27,7 @@ import torch.distributed as dist
 import reshard
 from reshard.cli import main
 from reshard.conventions import OPTIM_STATE, PARAM, detect_layout
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 from tests.test_titan_layout import _fsdp, _titan_state
 
 VARIANTS = ("tutorial", "tutorial_extra", "fqn", "index", "titan")
@@ -139,7 +139,7 @@ def _resume(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("layouts")
-    run_world(_save, 2, str(root), timeout=240)
+    run_world(_save, 2, str(root), timeout=HANG_GUARD)
     return root
 
 
@@ -191,7 +191,7 @@ def test_every_layout_converts_as_its_layout_says(saved: Path) -> None:
         assert set(reshard.inspect(saved / f"{variant}_model").tensors) == params, variant
         assert set(reshard.inspect(saved / f"{variant}_optim").tensors) == moments, variant
 
-    run_world(_resume, 3, str(saved), timeout=420)
+    run_world(_resume, 3, str(saved), timeout=HANG_GUARD)
 
 
 def test_an_ambiguous_checkpoint_is_refused_until_a_layout_is_given(saved: Path, capsys) -> None:

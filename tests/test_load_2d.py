@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 
 
 class MLP(torch.nn.Module):
@@ -146,5 +146,5 @@ def _three_ranks(rank: int, world: int, tmp: str) -> None:
 
 
 def test_tp_fsdp_checkpoints_load_across_2d_and_1d_meshes(tmp_path: Path) -> None:
-    run_world(_four_ranks, 4, str(tmp_path), timeout=300)
-    run_world(_three_ranks, 3, str(tmp_path), timeout=300)
+    run_world(_four_ranks, 4, str(tmp_path), timeout=HANG_GUARD)
+    run_world(_three_ranks, 3, str(tmp_path), timeout=HANG_GUARD)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 
 
 class FusedQKV(torch.nn.Module):
@@ -134,7 +134,7 @@ def _resume(rank: int, world: int, root: str) -> None:
 
 
 def test_a_model_that_renames_its_parameters_on_save_resumes_on_three_ranks(tmp_path: Path) -> None:
-    run_world(_save, 2, str(tmp_path), timeout=240)
+    run_world(_save, 2, str(tmp_path), timeout=HANG_GUARD)
     names = set(reshard.inspect(tmp_path / "ckpt").tensors)
     assert {"model.qkv.wq.weight", "optimizer.state.qkv.wqkv.weight.exp_avg"} <= names
-    run_world(_resume, 3, str(tmp_path), timeout=240)
+    run_world(_resume, 3, str(tmp_path), timeout=HANG_GUARD)

@@ -16,7 +16,7 @@ import torch
 import reshard
 from reshard.mesh.sharding import parse_mesh, parse_placement, rank_coordinate, shard_box
 from reshard.sizes import format_size
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 
 # Shapes x placements x meshes DTensor must agree with us on: uneven dims, dims smaller
 # than the mesh (empty shards), one dim sharded over both mesh dims, 0-size dims.
@@ -139,7 +139,7 @@ def test_cli_writes_beside_source_and_per_rank_torch_files(fsdp2_dcp, fsdp2_refe
     for p in fsdp2_dcp[0].iterdir():
         (src / p.name).write_bytes(p.read_bytes())
     proc = subprocess.run([sys.executable, "-m", "reshard", "convert", str(src), "--to-mesh", "4"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "run_4" / ".metadata").is_file()
     assert reshard.verify(src, tmp_path / "run_4").equal
@@ -159,7 +159,7 @@ def test_cli_writes_beside_source_and_per_rank_torch_files(fsdp2_dcp, fsdp2_refe
 
     # inspect --to-mesh: per-rank bytes and the uneven warning, before anything is written.
     proc = subprocess.run([sys.executable, "-m", "reshard", "inspect", str(src), "--to-mesh", "4", "--json"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG_GUARD)
     target = json.loads(proc.stdout)["target"]
     assert len(target["ranks"]) == 4 and target["imbalance"] >= 1.0
     assert "model.head.weight" in target["uneven"]
@@ -178,7 +178,7 @@ def test_torchrun_parallel_output_is_byte_identical(fsdp2_dcp, tmp_path: Path) -
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
              "-m", "reshard", "convert", str(src), str(tmp_path / name), *(["--to-mesh", "2x2"] if not extra else extra),
-             "--quiet"], capture_output=True, text=True, timeout=240, env=env)
+             "--quiet"], capture_output=True, text=True, timeout=HANG_GUARD, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         one = {str(p.relative_to(single)): p.read_bytes() for p in single.rglob("*") if p.is_file()}
         two = {str(p.relative_to(tmp_path / name)): p.read_bytes() for p in (tmp_path / name).rglob("*") if p.is_file()}

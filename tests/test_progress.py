@@ -116,3 +116,35 @@ def test_a_bar_on_a_terminal_that_reports_no_size(monkeypatch: pytest.MonkeyPatc
     last = text.replace("\r\n", "\n").split("\r")[-1].strip()
     assert re.match(r"copying: 100%\|█+\| , 1000 B of 1000 B, ", last), text
     assert len(last) <= 80
+
+
+def test_a_status_line_says_what_the_wait_is_for() -> None:
+    """An HF export's architecture check imports transformers for seconds (a minute on a busy
+    machine) before any bar: the terminal's status line says so while it does, then is erased;
+    off a terminal nothing is printed (a log file needs no transient line)."""
+    import io
+
+    from reshard.architecture import check_architecture
+    from reshard.progress import status
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    with status("checking the tensors against LlamaForCausalLM: importing transformers", stream=term):
+        assert term.getvalue() == "reshard: checking the tensors against LlamaForCausalLM: importing transformers\r"
+    assert term.getvalue().endswith("\r\x1b[K")
+    plain = io.StringIO()
+    with status("anything", stream=plain):
+        pass
+    assert plain.getvalue() == ""
+
+    import contextlib
+    import sys
+
+    seen = Terminal()
+    with contextlib.redirect_stderr(seen):
+        check_architecture({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, {})
+    assert seen.getvalue().startswith("reshard: checking the tensors against LlamaForCausalLM: importing transformers")
+    assert sys.stderr is not seen

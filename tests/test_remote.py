@@ -29,6 +29,7 @@ import reshard
 from reshard import sinks
 from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError, UnsupportedFormatError, UsageError
 from reshard.verify import verify_manifest
+from tests.dist import HANG_GUARD
 
 fsspec = pytest.importorskip("fsspec")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -236,7 +237,7 @@ def s3() -> Iterator[dict[str, str]]:
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=180,
+    return subprocess.run([sys.executable, "-m", "reshard", *args], capture_output=True, text=True, timeout=HANG_GUARD,
                           env={**os.environ, **env})
 
 

@@ -26,7 +26,7 @@ import reshard
 from reshard.errors import CheckpointNotFoundError, ReshardError, UsageError
 from reshard.example import TinyNet, full_reference
 from reshard.runtime.load import StateDictMismatchError
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 
 MISSING_SOURCE = "/nonexistent/reshard-test/model.safetensors"
 
@@ -233,16 +233,16 @@ def conversions(fsdp2_dcp: tuple[Path, Path], tmp_path_factory: pytest.TempPathF
 
 
 def test_rank0_fsdp2_ddp_and_errors_on_two_ranks(fsdp2_dcp: tuple[Path, Path]) -> None:
-    run_world(_two_ranks, 2, str(fsdp2_dcp[0]), str(fsdp2_dcp[1]), timeout=300)
+    run_world(_two_ranks, 2, str(fsdp2_dcp[0]), str(fsdp2_dcp[1]), timeout=HANG_GUARD)
 
 
 def test_safetensors_model_only_on_three_ranks(fsdp2_dcp: tuple[Path, Path], conversions: tuple[Path, Path]) -> None:
-    run_world(_three_ranks, 3, str(conversions[0]), str(fsdp2_dcp[1]), timeout=300)
+    run_world(_three_ranks, 3, str(conversions[0]), str(fsdp2_dcp[1]), timeout=HANG_GUARD)
 
 
 def test_parallel_torch_save_and_hsdp_on_four_ranks(fsdp2_dcp: tuple[Path, Path],
                                                     conversions: tuple[Path, Path]) -> None:
-    run_world(_four_ranks, 4, str(fsdp2_dcp[0]), str(conversions[1]), str(fsdp2_dcp[1]), timeout=300)
+    run_world(_four_ranks, 4, str(fsdp2_dcp[0]), str(conversions[1]), str(fsdp2_dcp[1]), timeout=HANG_GUARD)
 
 
 def test_single_process_plain_model(fsdp2_dcp: tuple[Path, Path], conversions: tuple[Path, Path],
@@ -296,7 +296,7 @@ def test_cuda_targets(fsdp2_dcp: tuple[Path, Path], fsdp2_reference: dict, tmp_p
         _check_optim(model, opt, full)
     finally:
         dist.destroy_process_group()
-    run_world(_cuda_gloo_ranks, 2, str(ckpt), str(fsdp2_dcp[1]), timeout=300)
+    run_world(_cuda_gloo_ranks, 2, str(ckpt), str(fsdp2_dcp[1]), timeout=HANG_GUARD)
 
 
 def _cuda_gloo_ranks(rank: int, world: int, ckpt: str, ref: str) -> None:

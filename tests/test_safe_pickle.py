@@ -8,6 +8,7 @@ import pytest
 
 from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
 from reshard.safe_pickle.unpickler import safe_loads
+from tests.dist import HANG_GUARD
 
 
 class _Evil:
@@ -146,7 +147,7 @@ def test_the_numpy_payload_is_live(tmp_path: Path) -> None:
             "d = R(np.dtype, ('V8', False, True), (3, '|', None, ('a',), {'a': (np.dtype('O'), 1000)}, 8, 1, 63))\n"
             "pickle.loads(pickle.dumps(R(_reconstruct, (np.ndarray, (0,), b'b'), (1, (4096,), d, False, [None] * 4096))))\n"
             "print('survived')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.returncode == -11 and "survived" not in proc.stdout  # SIGSEGV
 
 

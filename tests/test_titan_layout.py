@@ -17,7 +17,7 @@ import torch.distributed as dist
 import reshard
 from reshard.example import TinyNet
 from reshard.mesh.report import summarize_for_mesh
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 
 LR = 0.0123  # what the scheduler left in the optimizer: a value no fresh optimizer has
 _SPELLINGS = ("model", "top")  # model tensors under model. (torchtitan <= 0.1) or at the top level
@@ -131,7 +131,7 @@ def _resume(rank: int, world: int, root: str) -> None:
 @pytest.fixture(scope="module")
 def titan(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("titan")
-    run_world(_save, 2, str(root), timeout=240)
+    run_world(_save, 2, str(root), timeout=HANG_GUARD)
     return root
 
 
@@ -161,4 +161,4 @@ def test_resume_on_three_ranks_restores_everything(titan: Path) -> None:
             fqn = name.removeprefix("optimizer.state.").rpartition(".")[0]
             assert [c.box for c in entry.chunks] == [c.box for c in cat.tensors[f"model.{fqn}"].chunks], name
     assert cat.objects["optimizer.param_groups.embed.weight.lr"] == pytest.approx(LR)
-    run_world(_resume, 3, str(titan), timeout=300)
+    run_world(_resume, 3, str(titan), timeout=HANG_GUARD)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist import HANG_GUARD
+
 pytest.importorskip("torchtitan")
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fixtures" / "check_torchtitan_resume.py"
@@ -23,7 +25,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fixtures" / "check_t
 
 def test_load_model_equals_torchtitans_own_resume_on_three_ranks() -> None:
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                           str(SCRIPT)], capture_output=True, text=True, timeout=600)
+                           str(SCRIPT)], capture_output=True, text=True, timeout=HANG_GUARD)
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and len(reports) == 4, proc.stderr[-3000:]
     assert all(r["ok"] for r in reports), reports

@@ -40,7 +40,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, store: str, args:
     os._exit(0)
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> None:
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 1800.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise on any failure.
 
     ``fn`` must be a module-level function (it is pickled into the spawned processes).

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import reshard
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
 
@@ -151,7 +151,7 @@ def _resume(rank: int, world: int, ref_path: str) -> None:
 
 
 def test_load_model_resumes_on_three_ranks(reference: dict) -> None:
-    run_world(_resume, 3, str(reference["path"]), timeout=300)
+    run_world(_resume, 3, str(reference["path"]), timeout=HANG_GUARD)
 
 
 def test_load_model_picks_one_model_of_a_multi_model_folder(reference: dict, tmp_path: Path) -> None:

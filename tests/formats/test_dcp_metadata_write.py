@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 import reshard
+from tests.dist import HANG_GUARD
 
 
 def test_torch_reads_our_metadata_as_its_own(fsdp2_dcp, tmp_path: Path) -> None:
@@ -54,7 +55,7 @@ def test_writing_dcp_does_not_import_torch_dcp(fsdp2_dcp, tmp_path: Path) -> Non
     code = ("import sys, reshard; reshard.convert(sys.argv[1], sys.argv[2], quiet=True); "
             "print('torch.distributed.checkpoint' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(fsdp2_dcp[0]), str(tmp_path / "o")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=HANG_GUARD)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 import reshard
 from reshard.torch_support import FLOOR, NEWEST_TESTED, TESTED, release
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
 
@@ -222,4 +222,4 @@ def _resume_every_release(rank: int, world: int, folders: list[str]) -> None:
 
 
 def test_load_model_resumes_every_release_on_three_ranks() -> None:
-    run_world(_resume_every_release, 3, [str(p) for p in RELEASES], timeout=900)
+    run_world(_resume_every_release, 3, [str(p) for p in RELEASES], timeout=HANG_GUARD)

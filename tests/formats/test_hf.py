@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 import reshard
+from tests.dist import HANG_GUARD
 from tests.hf_models import hf_logits, save_tiny_llama
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
@@ -152,7 +153,7 @@ def test_hub_repo_id_source_offline_uses_the_cache(tmp_path: Path, monkeypatch: 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "reshard", "convert"]
     proc = subprocess.run(cmd + ["someone/tiny-llama", "--quiet"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.returncode == 0, proc.stderr
     out = reshard.inspect(tmp_path / "tiny-llama_dcp")  # in the cwd, not inside the cache
     assert set(out.tensors) == set(_weight_map(src)) and "hf.config_json" in out.objects

@@ -18,7 +18,7 @@ from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, detect_l
 from reshard.errors import UsageError
 from reshard.keymap.chunks import read_box
 from reshard.keymap.lookup import load_keymap
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 from tests.hf_models import assert_checked, assert_refused_without_keymap
 from tests.schema import check
 from tests.test_cli import assert_one_line_error
@@ -195,4 +195,4 @@ def _resume_mcore_only(rank: int, world: int, folder: str) -> None:
 
 
 def test_megatron_core_only_checkpoint_loads_on_three_fsdp_ranks_with_config(tmp_path: Path) -> None:
-    run_world(_resume_mcore_only, 3, str(_megatron_core_only(tmp_path)), timeout=300)
+    run_world(_resume_mcore_only, 3, str(_megatron_core_only(tmp_path)), timeout=HANG_GUARD)

@@ -27,7 +27,7 @@ from reshard.mesh.sharding import shard_box
 from reshard.plan import full_target
 from reshard.regions import StoredRegion
 from reshard.target import Target
-from tests.dist import run_world
+from tests.dist import HANG_GUARD, run_world
 from tests.fixtures import TinyNet, full_tensor, onto, save_editing_refs, torch_reading_of_retyped
 from tests.formats.test_dcp import _Evil
 from tests.formats.test_torch_zip import _write
@@ -407,7 +407,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, tor
     root = tmp_path_factory.mktemp("ranks")
     for sub in ("fsdp", "hsdp", "partial", "verl", "retyped", "reordered"):
         (root / sub).mkdir()
-    run_world(_save_worker, 4, str(root), timeout=240)
+    run_world(_save_worker, 4, str(root), timeout=HANG_GUARD)
     return root, torch.load(root / "ref.pt", weights_only=True)
 
 

@@ -13,6 +13,7 @@ import reshard
 from reshard.train.launch import launch
 from reshard.train.loop import TrainConfig, TrainResult, WarmupCosine
 from reshard.train.model import ModelConfig, Transformer
+from tests.dist import HANG_GUARD
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
 
@@ -23,7 +24,7 @@ PROGRESS = re.compile(r"^step +(\d+)/(\d+)  loss (\d+\.\d+)  lr \S+  grad_norm \
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainResult, Path]:
     ckpt_dir = tmp_path_factory.mktemp("loop") / "ckpt"
     result = launch(TrainConfig(mesh="2", steps=4, ckpt_dir=str(ckpt_dir), save_every=2, digest_at=(0,), log=False),
-                    device="cpu", timeout=600)
+                    device="cpu", timeout=HANG_GUARD)
     return result, ckpt_dir
 
 
@@ -62,7 +63,7 @@ def test_cli_resumes_on_another_rank_count_and_continues(first_run: tuple[TrainR
 def test_mixed_precision_run_starts_from_the_same_weights(first_run: tuple[TrainResult, Path]) -> None:
     reference, _ = first_run
     result = launch(TrainConfig(mesh="1", steps=2, mixed_precision=True, digest_at=(0,), log=False),
-                    device="cpu", timeout=600)
+                    device="cpu", timeout=HANG_GUARD)
     assert result.digests[0] == reference.digests[0]  # fp32 sharded parameters, identical on 1 and 2 ranks
     for step in (1, 2):  # bf16 compute: close to the fp32 run, not equal
         assert result.losses[step] == pytest.approx(reference.losses[step], rel=1e-2)
