@@ -96,6 +96,8 @@ def test_every_variant_converts_to_torchs_full_state_dict(folder: Path, tmp_path
         out = tmp_path / f"{name}.safetensors"
         reshard.convert(folder / name, out)
         _same(load_file(out), full["model"], f"{folder.name}/{name}")
+        reshard.convert(folder / name, tmp_path / f"{name}.pt")
+        _same(torch.load(tmp_path / f"{name}.pt", weights_only=True), full["model"], f"{folder.name}/{name} as torch")
     saved = load_file(folder / "strided.safetensors")
     for name in ("strided", "strided.pt"):
         out = tmp_path / f"{name}.safetensors"
