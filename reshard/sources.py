@@ -6,12 +6,13 @@ store, or, for a source, an ``owner/name[@revision]`` Hub repo id or ``hf://owne
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from reshard.catalog import Catalog
-from reshard.errors import CheckpointNotFoundError, ReshardError
+from reshard.errors import CheckpointNotFoundError, ReshardError, UsageError
 from reshard.gc_pause import without_gc
 from reshard.storage import RemotePath, forget_cached, is_url
 
@@ -100,4 +101,47 @@ def given_config(catalog: Catalog, config: str | os.PathLike | None) -> Catalog:
         return catalog
     from reshard.export import load_config
 
-    return replace(catalog, attrs={**catalog.attrs, "hf_config": load_config(config), "hf_config_given": True})
+    loaded = load_config(config)
+    _refuse_contradiction(catalog, config, loaded)
+    return replace(catalog, attrs={**catalog.attrs, "hf_config": loaded, "hf_config_given": True})
+
+
+# What a checkpoint records of its model, as HF config.json keys, from the training loop's
+# ModelConfig (train.model_config.*): a --config that says otherwise describes another model,
+# whose head split the key maps would apply to these weights (garbage that loads).
+_TRAIN_KEYS = {"n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "n_layers": "num_hidden_layers",
+               "vocab_size": "vocab_size", "dim": "hidden_size"}
+_HF_KEYS = ("num_attention_heads", "num_key_value_heads", "num_hidden_layers", "vocab_size", "hidden_size", "head_dim")
+
+
+def _model_shape(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys that fix how weights split into heads and layers; KV heads default to the heads
+    (as transformers' config classes do), head_dim to hidden_size / heads."""
+    out = {k: config[k] for k in _HF_KEYS if isinstance(config.get(k), int)}
+    if "num_attention_heads" in out:
+        out.setdefault("num_key_value_heads", out["num_attention_heads"])
+        if "hidden_size" in out and out["num_attention_heads"]:
+            out.setdefault("head_dim", out["hidden_size"] // out["num_attention_heads"])
+    return out
+
+
+def _refuse_contradiction(catalog: Catalog, config: str | os.PathLike, given: Mapping[str, Any]) -> None:
+    """A --config whose head counts, layers, vocabulary or width contradict what the checkpoint
+    records of its own model (the training loop's ModelConfig, or the config.json an HF source
+    carried) is refused, naming both values."""
+    from reshard.provenance import hf_configs, training_config
+
+    mine = _model_shape(given)
+    records: list[tuple[str, dict[str, Any]]] = []
+    train = training_config(catalog)
+    if train:
+        records.append(("train.model_config", _model_shape({_TRAIN_KEYS[k]: v for k, v in train.items() if k in _TRAIN_KEYS})))
+    carried = None if catalog.attrs.get("hf_config_given") else hf_configs(catalog)[0]
+    if carried:
+        records.append(("its config.json", _model_shape(carried)))
+    for where, recorded in records:
+        for key, value in mine.items():
+            if key in recorded and recorded[key] != value:
+                raise UsageError(f"{config}: {key} is {value}, but {catalog.path} records {recorded[key]} ({where}): "
+                                 "this config describes another model; give the config of the model these weights are, "
+                                 "or leave --config out to use the recorded one")

@@ -140,3 +140,37 @@ def test_titan_to_hf_is_not_applied_to_a_model_it_does_not_know(tmp_path: Path, 
     from safetensors.torch import load_file
 
     assert sorted(load_file(out / "model.safetensors")) == sorted(model.state_dict())
+
+
+def test_a_config_that_contradicts_the_recorded_model_is_refused(tmp_path: Path) -> None:
+    """The training checkpoint records n_heads=4, n_kv_heads=2; a --config saying 2 heads and 1
+    KV head (head_dim 16, so every shape still agrees) passed the architecture check, and the
+    export's weights, permuted for 4 heads, computed garbage under the config's 2. Refused now,
+    naming both values; the recorded config, or one that agrees, still exports."""
+    from reshard.train.checkpoint import save_checkpoint
+    from reshard.train.model import ModelConfig, Transformer
+    from tests.test_cli import assert_one_line_error
+    from tests.test_cli import reshard as cli
+
+    cfg = ModelConfig.preset("tiny")
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ckpt = save_checkpoint(tmp_path / "ckpt", model, opt, sched, step=1, data_position=0, model_cfg=cfg)
+    recorded = reshard.convert(ckpt, tmp_path / "hf", to="hf", quiet=True).dst
+    config = json.loads((recorded / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (4, 2)
+    for change, needle in (({"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16},
+                            "num_attention_heads is 2, but"),
+                           ({"num_hidden_layers": 3}, "num_hidden_layers is 3, but"),
+                           ({"vocab_size": 65}, "vocab_size is 65, but")):
+        other = tmp_path / f"cfg_{len(change)}_{next(iter(change))}"
+        other.mkdir()
+        (other / "config.json").write_text(json.dumps({**config, **change}))
+        proc = cli("convert", ckpt, tmp_path / "out", "--to", "hf", "--config", other)
+        assert_one_line_error(proc, needle, "(train.model_config)", "describes another model")
+        assert not (tmp_path / "out").exists()
+    agrees = tmp_path / "agrees"
+    agrees.mkdir()
+    (agrees / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-6}))
+    assert cli("convert", ckpt, tmp_path / "out", "--to", "hf", "--config", agrees).returncode == 0
