@@ -48,6 +48,7 @@ _FLOAT32 = dtypes.by_name("float32")
 # Modules left in the compute dtype, by their last name: embeddings, the output head, norms
 # and MoE router gates (``mlp.gate``, ``router``, ``shared_expert_gate``; never ``gate_proj``).
 _HEADS = ("lm_head", "embed_out")
+_HEAD_WEIGHT = "lm_head.weight"
 
 
 def _excluded(module: str) -> str | None:
@@ -111,6 +112,13 @@ class _Blocks:
             w = float32_box(self.source, Box((r0, c0), (nr, nc))).abs_()
             for j in range(-(-nc // BLOCK)):
                 amax[c0 // BLOCK + j] = w[:, j * BLOCK: (j + 1) * BLOCK].amax()
+        if not bool(torch.isfinite(amax).all()):  # met in a worker thread: errors.option cannot tell CLI from API
+            j = int((~torch.isfinite(amax)).nonzero()[0])
+            what = "inf" if bool(torch.isinf(amax[j])) else "NaN"
+            raise UsageError(f"{self.source.name}: block ({i}, {j}) (rows {r0}-{r0 + nr - 1}, columns {j * BLOCK}-"
+                             f"{min(cols, (j + 1) * BLOCK) - 1}) holds {what}: an FP8 block scale cannot hold it (every "
+                             f"reader would dequantize the whole block to NaN); fix the weights, or keep the module in "
+                             f"the compute dtype with --keep-dtype {self.source.name} (keep_dtype=[{self.source.name!r}])")
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         with self._lock:
             self._rows[i] = scale
@@ -189,6 +197,8 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
         raise UsageError(f"{catalog.path}: {option('--quantize fp8', 'quantize=')} found no 2-D linear weight to "
                          "quantize (embeddings, the head, norms and router gates stay as they are)")
     skipped = [n for names in left.values() for n in names]
+    if _HEAD_WEIGHT not in tensors:  # tied to the embeddings (the export wrote it once, as save_pretrained does)
+        skipped.append(_HEAD_WEIGHT)  # transformers' quantizer would otherwise make an FP8 head and want its scale
     qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                           "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": _modules(skipped)}
     attrs = {**catalog.attrs, "hf_config": {**config, "quantization_config": qc}}

@@ -42,11 +42,11 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _llama(folder: Path, **dims: int) -> Path:
+def _llama(folder: Path, tie: bool = False, **dims: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False, max_position_embeddings=16, **dims))
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, tie_word_embeddings=tie, max_position_embeddings=16, **dims))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -163,3 +163,48 @@ def test_quantize_refusals(tmp_path: Path, capsys, argv: list[str], message: str
     assert message in capsys.readouterr().err
     assert main(["convert", str(base), str(tmp_path / "o.safetensors"), "--quantize", "fp8"]) == 2
     assert "--quantize applies to hf outputs" in capsys.readouterr().err
+
+
+def test_fp8_of_a_tied_model_writes_and_loads(tmp_path: Path) -> None:
+    """Llama-3.2-1B, Qwen2.5-0.5B and Gemma tie the head to the embeddings: the export writes the
+    head once (as the embedding), so lm_head was not in modules_to_not_convert and transformers'
+    quantizer wanted an FP8 head with its scale ("1 of its 20 tensors missing
+    (lm_head.weight_scale_inv)", exit 2). The head is not converted now, and transformers'
+    dequantizing load equals reshard's reading."""
+    from transformers import FineGrainedFP8Config, LlamaForCausalLM
+
+    base = _llama(tmp_path / "tied", tie=True, vocab_size=64, hidden_size=256, intermediate_size=384,
+                  num_attention_heads=2, num_key_value_heads=1)
+    out = tmp_path / "tied_fp8"
+    reshard.convert(base, out, to="hf", quantize="fp8", quiet=True)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "lm_head" in qc["modules_to_not_convert"]
+    back = tmp_path / "back"
+    reshard.convert(out, back, to="hf", dtype="float32", quiet=True)
+    ours = _tensors(back)
+    theirs = LlamaForCausalLM.from_pretrained(out, quantization_config=FineGrainedFP8Config(dequantize=True)).state_dict()
+    for name, t in ours.items():
+        assert torch.equal(theirs[name].float(), t), name
+    assert torch.equal(theirs["lm_head.weight"], theirs["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")], ids=["inf", "nan"])
+def test_fp8_refuses_non_finite_weights(tmp_path: Path, bad: float) -> None:
+    """One inf in q_proj made its whole 128x128 block NaN after dequantization, exit 0 and no
+    word; a block holding a NaN got scale 1. Refused now, naming the tensor and the block."""
+    from safetensors.torch import save_file
+
+    from tests.test_cli import assert_one_line_error
+    from tests.test_cli import reshard as cli
+
+    base = _llama(tmp_path / "base", vocab_size=64, hidden_size=256, intermediate_size=384, num_attention_heads=2,
+                  num_key_value_heads=1)
+    weights = _tensors(base)
+    weights["model.layers.1.self_attn.q_proj.weight"][130, 5] = bad
+    for f in base.glob("*.safetensors*"):
+        f.unlink()
+    save_file(weights, base / "model.safetensors", metadata={"format": "pt"})
+    proc = cli("convert", base, tmp_path / "fp8", "--to", "hf", "--quantize", "fp8")
+    assert_one_line_error(proc, "model.layers.1.self_attn.q_proj.weight: block (1, 0) (rows 128-255, columns 0-127) "
+                          f"holds {'inf' if bad == float('inf') else 'NaN'}", "--keep-dtype")
+    assert not (tmp_path / "fp8").exists()
