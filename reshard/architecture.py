@@ -29,6 +29,7 @@ checked, and the caller says so in a notice: never a silent pass.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import shlex
 from collections.abc import Callable, Iterator, Mapping
@@ -41,7 +42,8 @@ from reshard.options import named
 from reshard.progress import status
 from reshard.sizes import plural
 
-__all__ = ["ArchitectureCheck", "ArchitectureMismatchError", "check_architecture", "require_architecture", "COMPUTE_DTYPES"]
+__all__ = ["ArchitectureCheck", "ArchitectureMismatchError", "check_architecture", "require_architecture", "COMPUTE_DTYPES",
+           "linear_modules"]
 
 COMPUTE_DTYPES = tuple(by_name(n) for n in ("float16", "bfloat16", "float32", "float64"))
 _SHOWN = 3  # names shown per kind of problem
@@ -260,6 +262,30 @@ def _build(config: Mapping[str, Any]) -> _Built | ArchitectureCheck:
         return ArchitectureCheck(name, True, errors=[f"transformers cannot build {name} from config.json: {_first_line(e)}"])
     assert name is not None  # _model_class gives a class only with its name
     return _Built(name, model, quantizer, dtype)
+
+
+def linear_modules(config: Mapping[str, Any]) -> dict[str, bool] | None:
+    """Module name -> whether it is an ``nn.Linear``, for every module of the model ``config``
+    describes (built on the meta device, as the check builds it); None where transformers cannot
+    build it here. Quantizers in transformers replace ``nn.Linear`` modules only: GPT-2's
+    projections are ``Conv1D``, whose weight is stored transposed, and an FP8 tensor there would
+    be read as a plain float one."""
+    import json
+
+    return _linear_modules(json.dumps(config, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=4)
+def _linear_modules(config_json: str) -> dict[str, bool] | None:
+    import json
+
+    import torch
+
+    with _quiet_transformers():
+        built = _build(json.loads(config_json))
+    if isinstance(built, ArchitectureCheck):
+        return None
+    return {name: isinstance(module, torch.nn.Linear) for name, module in built.model.named_modules() if name}
 
 
 def _torch_dtype(config: Mapping[str, Any]) -> Any:

@@ -49,6 +49,7 @@ _FLOAT32 = dtypes.by_name("float32")
 # and MoE router gates (``mlp.gate``, ``router``, ``shared_expert_gate``; never ``gate_proj``).
 _HEADS = ("lm_head", "embed_out")
 _HEAD_WEIGHT = "lm_head.weight"
+_NOT_LINEAR = "modules that are not nn.Linear"
 
 
 def _excluded(module: str) -> str | None:
@@ -178,10 +179,18 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
     tensors: dict[str, TensorEntry] = {}
     done: list[str] = []
     left: dict[str, list[str]] = {}  # why -> names of floating weights left unquantized
+    from reshard.architecture import linear_modules
+
+    linear = linear_modules(config) or {}  # a module the model lacks (or no model built): by its name alone
     for name, entry in catalog.tensors.items():
+        module = name.removesuffix(".weight")
+        if quantizes(name, entry) and not keep(name) and linear.get(module, True) is False:
+            tensors[name] = entry  # transformers' quantizers replace nn.Linear only (GPT-2's Conv1D is not)
+            left.setdefault(_NOT_LINEAR, []).append(name)
+            continue
         if not quantizes(name, entry) or keep(name):
             tensors[name] = entry
-            why = "--keep-dtype" if keep(name) and quantizes(name, entry) else _excluded(name.removesuffix(".weight"))
+            why = "--keep-dtype" if keep(name) and quantizes(name, entry) else _excluded(module)
             if why is not None and name.endswith(".weight") and entry.dtype.is_floating_point:
                 left.setdefault(why, []).append(name)
             continue
@@ -194,8 +203,10 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
         tensors[scale] = TensorEntry(scale, grid, _FLOAT32, [Chunk(full_box(grid), _Scales(blocks))])
         done.append(name)
     if not done:
-        raise UsageError(f"{catalog.path}: {option('--quantize fp8', 'quantize=')} found no 2-D linear weight to "
-                         "quantize (embeddings, the head, norms and router gates stay as they are)")
+        other = (f"; {len(left[_NOT_LINEAR])} 2-D weights belong to modules that are not nn.Linear (such as GPT-2's "
+                 "Conv1D), which transformers' FP8 quantizer leaves alone") if _NOT_LINEAR in left else ""
+        raise UsageError(f"{catalog.path}: {option('--quantize fp8', 'quantize=')} found no nn.Linear weight to "
+                         f"quantize (embeddings, the head, norms and router gates stay as they are{other})")
     skipped = [n for names in left.values() for n in names]
     if _HEAD_WEIGHT not in tensors:  # tied to the embeddings (the export wrote it once, as save_pretrained does)
         skipped.append(_HEAD_WEIGHT)  # transformers' quantizer would otherwise make an FP8 head and want its scale

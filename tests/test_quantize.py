@@ -208,3 +208,22 @@ def test_fp8_refuses_non_finite_weights(tmp_path: Path, bad: float) -> None:
     assert_one_line_error(proc, "model.layers.1.self_attn.q_proj.weight: block (1, 0) (rows 128-255, columns 0-127) "
                           f"holds {'inf' if bad == float('inf') else 'NaN'}", "--keep-dtype")
     assert not (tmp_path / "fp8").exists()
+
+
+def test_fp8_leaves_modules_that_are_not_linear(tmp_path: Path) -> None:
+    """GPT-2's projections are transformers' Conv1D (weights stored transposed), which its FP8
+    quantizer does not replace: reshard quantized them, then its own check refused the export
+    with a hint to use --keymap, which does not help. Decided before writing now, from the
+    model the config describes: nothing there is nn.Linear but the tied head, so exit 2 says so."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.test_cli import assert_one_line_error
+    from tests.test_cli import reshard as cli
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=256, n_layer=2, n_head=2, vocab_size=128, n_positions=32, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(tmp_path / "gpt2")
+    proc = cli("convert", tmp_path / "gpt2", tmp_path / "fp8", "--to", "hf", "--quantize", "fp8")
+    assert_one_line_error(proc, "found no nn.Linear weight to quantize", "8 2-D weights belong to modules that are "
+                          "not nn.Linear (such as GPT-2's Conv1D)")
+    assert "--keymap" not in proc.stderr and not (tmp_path / "fp8").exists()
