@@ -43,7 +43,7 @@ from reshard.progress import status
 from reshard.sizes import plural
 
 __all__ = ["ArchitectureCheck", "ArchitectureMismatchError", "check_architecture", "require_architecture", "COMPUTE_DTYPES",
-           "linear_modules"]
+           "ModelFacts", "model_facts"]
 
 COMPUTE_DTYPES = tuple(by_name(n) for n in ("float16", "bfloat16", "float32", "float64"))
 _SHOWN = 3  # names shown per kind of problem
@@ -264,19 +264,32 @@ def _build(config: Mapping[str, Any]) -> _Built | ArchitectureCheck:
     return _Built(name, model, quantizer, dtype)
 
 
-def linear_modules(config: Mapping[str, Any]) -> dict[str, bool] | None:
-    """Module name -> whether it is an ``nn.Linear``, for every module of the model ``config``
-    describes (built on the meta device, as the check builds it); None where transformers cannot
-    build it here. Quantizers in transformers replace ``nn.Linear`` modules only: GPT-2's
-    projections are ``Conv1D``, whose weight is stored transposed, and an FP8 tensor there would
-    be read as a plain float one."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the model ``config`` describes says of its modules, read from it built on the meta
+    device: ``linear`` maps every module name, in the model's own order, to whether it is an
+    ``nn.Linear`` (transformers' quantizers replace those only: GPT-2's projections are
+    ``Conv1D``, weights stored transposed); ``embed`` and ``head`` are the weights of
+    ``get_input_embeddings`` and ``get_output_embeddings`` (``transformer.wte.weight`` for
+    GPT-2, not Llama's ``model.embed_tokens.weight``); ``tied``: the config ties them, its class
+    default included (Gemma's config.json may leave ``tie_word_embeddings`` out)."""
+
+    linear: dict[str, bool]
+    embed: str | None
+    head: str | None
+    tied: bool
+    classes: dict[str, str] = field(default_factory=dict)  # module name -> its class's name (``Conv1D``...)
+
+
+def model_facts(config: Mapping[str, Any]) -> ModelFacts | None:
+    """``ModelFacts`` of the config's model; None where transformers cannot build it here."""
     import json
 
-    return _linear_modules(json.dumps(config, sort_keys=True, default=str))
+    return _model_facts(json.dumps(config, sort_keys=True, default=str))
 
 
 @functools.lru_cache(maxsize=4)
-def _linear_modules(config_json: str) -> dict[str, bool] | None:
+def _model_facts(config_json: str) -> ModelFacts | None:
     import json
 
     import torch
@@ -285,7 +298,21 @@ def _linear_modules(config_json: str) -> dict[str, bool] | None:
         built = _build(json.loads(config_json))
     if isinstance(built, ArchitectureCheck):
         return None
-    return {name: isinstance(module, torch.nn.Linear) for name, module in built.model.named_modules() if name}
+    model = built.model
+    names = {id(module): name for name, module in model.named_modules() if name}
+
+    def weight_of(module: Any) -> str | None:
+        return f"{names[id(module)]}.weight" if module is not None and id(module) in names else None
+
+    try:
+        embed, head = weight_of(model.get_input_embeddings()), weight_of(model.get_output_embeddings())
+    except (NotImplementedError, AttributeError):
+        embed = head = None
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    tied = bool(getattr(text, "tie_word_embeddings", getattr(model.config, "tie_word_embeddings", False)))
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    return ModelFacts({n: isinstance(m, torch.nn.Linear) for n, m in modules}, embed, head, tied,
+                      {n: type(m).__name__ for n, m in modules})
 
 
 def _torch_dtype(config: Mapping[str, Any]) -> Any:

@@ -70,6 +70,7 @@ class LoraModule:
     b: TensorEntry
     scaling: float
     transposed: bool
+    embedding: bool = False  # lora_embedding_A/B: PEFT rounds its delta to the weight's dtype before adding
 
     @property
     def rank(self) -> int:
@@ -158,9 +159,13 @@ def _scaling(config: dict[str, Any], module: str, rank: int, where: Path) -> flo
 _LORA = re.compile(r"(?P<module>.+)\.(?:lora_(?P<ab>[AB])\.weight|lora_embedding_(?P<eab>[AB]))")
 
 
-def read_adapter(spec: str | os.PathLike) -> Adapter:
+def read_adapter(spec: str | os.PathLike, classes: dict[str, str] | None = None) -> Adapter:
     """The adapter at ``spec`` (a folder, or a Hub repo id), every tensor sorted into LoRA pairs
-    and whole tensors; anything else is refused, naming it."""
+    and whole tensors; anything else is refused, naming it. ``classes`` (module name -> class
+    name, from the base's model) decides ``fan_in_fan_out`` module by module, as PEFT does when
+    it loads the adapter: True on a ``Conv1D``, False on an ``nn.Linear``, whatever the saved
+    config says (PEFT rewrites that one shared flag as it meets each kind: GPT-2 with adapters on
+    ``c_attn`` and ``lm_head`` saves False)."""
     folder = _folder(spec)
     config = _config(folder)
     catalog = _weights(folder)
@@ -201,7 +206,10 @@ def read_adapter(spec: str | os.PathLike) -> Adapter:
                                          f"{list(b.shape)} are not a linear or embedding LoRA pair (conv layers "
                                          "are not merged by reshard)")
         scaling = _scaling(config, module, a.shape[0], folder / CONFIG)
-        modules[module] = LoraModule(module, a, b, scaling, transposed=kinds[module] or transpose)
+        kind = (classes or {}).get(module)
+        fan_in_fan_out = kind == "Conv1D" if kind in ("Conv1D", "Linear") else transpose
+        modules[module] = LoraModule(module, a, b, scaling, transposed=kinds[module] or fan_in_fan_out,
+                                     embedding=kinds[module])
     return Adapter(folder, config, modules, whole, frozenset(base_layers))
 
 
@@ -218,6 +226,10 @@ class _Merged(Banded):
         if box.numel == 0:
             return w
         (r0, c0), (nr, nc) = box.offsets, box.sizes
+        # PEFT merges into the weight in its own dtype, delta after delta: a bf16 weight is rounded
+        # after each one (and an embedding's delta before it is added: Embedding.merge casts it).
+        narrow = self.base.dtype.itemsize < 4 and self.base.dtype.is_floating_point
+        own = self.base.dtype.torch if narrow else None
         for d in self.deltas:
             i0, ni = _aligned(r0, nr, self.base.shape[0])
             j0, nj = _aligned(c0, nc, self.base.shape[1])
@@ -226,7 +238,12 @@ class _Merged(Banded):
                 product = product.T
             else:
                 product = float32_box(d.b, Box((i0, 0), (ni, d.rank))) @ float32_box(d.a, Box((0, j0), (d.rank, nj)))
-            w.add_(product[r0 - i0: r0 - i0 + nr, c0 - j0: c0 - j0 + nc] * d.scaling)
+            delta = product[r0 - i0: r0 - i0 + nr, c0 - j0: c0 - j0 + nc] * d.scaling
+            if own is not None and d.embedding:
+                delta = delta.to(own).float()
+            w.add_(delta)
+            if own is not None:
+                w = w.to(own).float()
         return w
 
 
@@ -256,29 +273,57 @@ def _replaced(base: TensorEntry, new: TensorEntry, name: str, source: Path) -> T
     return TensorEntry(name, base.shape, base.dtype, new.chunks)  # cast to the base's dtype, as load_state_dict does
 
 
+def _targeted(config: dict[str, Any], module: str) -> bool:
+    """Whether PEFT puts a LoRA layer on ``module``: ``target_modules`` (a regex matched whole,
+    or names a module name ends with at a ``.``; "all-linear" every linear layer) and not
+    ``exclude_modules`` (peft.tuners.tuners_utils.check_target_module_exists). A LoRA pair saved
+    for any other module is never loaded by PEFT, so never merged."""
+
+    def names(patterns: Any) -> bool:
+        if isinstance(patterns, str):
+            return patterns == "all-linear" or re.fullmatch(patterns, module) is not None
+        return any(module == p or module.endswith("." + p) for p in patterns or [] if isinstance(p, str))
+
+    target = config.get("target_modules")
+    return (target is None or names(target)) and not (config.get("exclude_modules") and names(config["exclude_modules"]))
+
+
 def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
     """``catalog`` (HF names, as ``export_catalog`` leaves it) with the adapter at ``spec``
-    merged: the adapted weights computed lazily, the saved modules in place of the base's."""
-    adapter = read_adapter(spec)
-    tensors = dict(catalog.tensors)
+    merged: the adapted weights computed lazily, the saved modules in place of the base's.
+
+    The embedding and head are the model's own (``get_input_embeddings`` and
+    ``get_output_embeddings`` of the config's model built on the meta device: GPT-2's are
+    ``transformer.wte`` and ``lm_head``), tied as its config class says, and deltas on one
+    weight are added in the model's module order, as PEFT's ``merge_and_unload`` walks it."""
+    from reshard.architecture import model_facts
+
     config = catalog.attrs.get("hf_config") or {}
-    tied = bool(config.get("tie_word_embeddings")) and _HEAD not in tensors
+    facts = model_facts(config) if config else None
+    adapter = read_adapter(spec, facts.classes if facts else None)
+    tensors = dict(catalog.tensors)
+    embed, head = (facts.embed or _EMBED, facts.head or _HEAD) if facts else (_EMBED, _HEAD)
+    tied = (facts.tied if facts else bool(config.get("tie_word_embeddings"))) and head not in tensors
+    order = {m: i for i, m in enumerate(facts.linear)} if facts else {}
     for name, entry in adapter.whole.items():
-        if tied and name in (_EMBED, _HEAD) and name not in adapter.base_layers:
+        if tied and name in (embed, head) and name not in adapter.base_layers:
             raise UsageError(f"{adapter.path}: module {name.rpartition('.')[0]!r} is saved whole (modules_to_save) but "
-                             f"the base ties {_HEAD} to {_EMBED}; the merged model would have to untie them: merge with "
+                             f"the base ties {head} to {embed}; the merged model would have to untie them: merge with "
                              "PEFT and save with tie_word_embeddings false")
-        if name == _HEAD and tied:  # a base layer PEFT loads into the one shared parameter
-            name = _EMBED
+        if name == head and tied:  # a base layer PEFT loads into the one shared parameter
+            name = embed
         if name not in tensors:
             raise UsageError(f"{adapter.path}: module {name.rpartition('.')[0]!r}: the adapter saves {name}, which the "
                              f"base {catalog.path} does not have")
         tensors[name] = _replaced(tensors[name], entry, name, adapter.path)
     deltas: dict[str, list[LoraModule]] = {}
+    untargeted = [m for m in adapter.modules if not _targeted(adapter.config, m)]
     for module, d in adapter.modules.items():
+        if module in untargeted:
+            continue
         name = f"{module}.weight"
-        if name == _HEAD and tied:
-            name = _EMBED  # one parameter in PEFT's model: both deltas land on it
+        if name == head and tied:
+            name = embed  # one parameter in PEFT's model: both deltas land on it
         base = tensors.get(name)
         if base is None:
             raise UsageError(f"{adapter.path}: module {module!r} is adapted, but the base {catalog.path} has no {name}")
@@ -290,9 +335,10 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
         deltas.setdefault(name, []).append(d)
     for name, ds in deltas.items():
         base = tensors[name]
+        ds.sort(key=lambda d: (order.get(d.module, len(order)), not d.embedding))  # PEFT's walk: the model's order
         tensors[name] = TensorEntry(name, base.shape, base.dtype, [Chunk(full_box(base.shape), _Merged(base, tuple(ds)))])
     kinds: dict[str, int] = {}
-    for module in adapter.modules:
+    for module in (m for m in adapter.modules if m not in untargeted):
         last = module.rpartition(".")[2]
         kinds[last] = kinds.get(last, 0) + 1
     c = adapter.config
@@ -301,6 +347,9 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
         how += ", rank/alpha patterns"
     notice = (f"merged LoRA adapter {adapter.label} ({how}) into {len(deltas)} weights in float32 "
               f"({', '.join(f'{k} {n}' for k, n in kinds.items())})")
+    if untargeted:
+        notice += (f"; left out the LoRA weights of {len(untargeted)} modules target_modules does not name, as PEFT "
+                   f"never loads them: {preview(untargeted)}")
     if adapter.whole:
         notice += (f"; {len(adapter.whole)} tensors replaced by the ones the adapter saves (modules_to_save, base "
                    f"layers): {preview(list(adapter.whole))}")

@@ -179,9 +179,10 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
     tensors: dict[str, TensorEntry] = {}
     done: list[str] = []
     left: dict[str, list[str]] = {}  # why -> names of floating weights left unquantized
-    from reshard.architecture import linear_modules
+    from reshard.architecture import model_facts
 
-    linear = linear_modules(config) or {}  # a module the model lacks (or no model built): by its name alone
+    facts = model_facts(config)
+    linear = facts.linear if facts else {}  # a module the model lacks (or no model built): by its name alone
     for name, entry in catalog.tensors.items():
         module = name.removesuffix(".weight")
         if quantizes(name, entry) and not keep(name) and linear.get(module, True) is False:

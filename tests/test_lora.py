@@ -203,3 +203,83 @@ def test_keep_dtype_with_dtype(base: Path, tmp_path: Path, capsys) -> None:
     reshard.convert(base, tmp_path / "m.safetensors", dtype="float16", keep_dtype=["embed", r"^lm_head\."], quiet=True)
     kept = load_file(tmp_path / "m.safetensors")
     assert {n for n, t in kept.items() if t.dtype == torch.float32} == {"model.embed_tokens.weight", "lm_head.weight"}
+
+
+def _peft_state(cls, base: Path, adapter: Path, **load) -> dict[str, torch.Tensor]:
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(cls.from_pretrained(base, **load), adapter).merge_and_unload().state_dict()
+
+
+def _bit_equal(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got
+    for name, t in got.items():
+        assert t.dtype == expected[name].dtype and torch.equal(t, expected[name]), name
+
+
+def test_merges_are_bit_equal_to_peft(tmp_path: Path) -> None:
+    """PEFT's arithmetic, dtype by dtype: a bf16 base with an embedding adapter (PEFT rounds the
+    delta to bf16 before adding it: 1 ulp off before), and a tied model with adapters on both
+    embed_tokens and lm_head (one shared weight, the deltas in the model's module order: 1.9e-6
+    off in float32 before)."""
+    from transformers import LlamaForCausalLM
+
+    untied = save_tiny_llama(tmp_path / "base", tie=False)
+    bf16 = tmp_path / "bf16"
+    LlamaForCausalLM.from_pretrained(untied, dtype=torch.bfloat16).save_pretrained(bf16)
+    adapter = save_lora_adapter(bf16, tmp_path / "emb", r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"])
+    reshard.convert(bf16, tmp_path / "bf16_merged", to="hf", merge_lora=adapter, max_memory="4KiB", quiet=True)
+    _bit_equal(_tensors(tmp_path / "bf16_merged"), _peft_state(LlamaForCausalLM, bf16, adapter, dtype=torch.bfloat16))
+
+    tied = save_tiny_llama(tmp_path / "tied", tie=True)
+    both = save_lora_adapter(tied, tmp_path / "both", r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head"])
+    reshard.convert(tied, tmp_path / "tied_merged", to="hf", merge_lora=both, max_memory="4KiB", quiet=True)
+    _bit_equal(_tensors(tmp_path / "tied_merged"), _peft_state(LlamaForCausalLM, tied, both))
+
+
+def test_no_false_refusals_where_peft_merges(tmp_path: Path) -> None:
+    """GPT-2 with adapters on c_attn (Conv1D) and its tied lm_head: PEFT saves fan_in_fan_out
+    false (it rewrote the shared flag at lm_head), and the embedding is transformer.wte, not
+    model.embed_tokens; a Gemma config.json without tie_word_embeddings (its class ties by
+    default). reshard refused both; now each merge is bit-equal to PEFT's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)).save_pretrained(tmp_path / "gpt2")
+    torch.manual_seed(1)
+    get_peft_model(GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2"),
+                   LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "lm_head"], fan_in_fan_out=True,
+                              init_lora_weights=False)).save_pretrained(tmp_path / "gpt2_adapter")
+    assert json.loads((tmp_path / "gpt2_adapter" / "adapter_config.json").read_text())["fan_in_fan_out"] is False
+    reshard.convert(tmp_path / "gpt2", tmp_path / "gpt2_merged", to="hf", merge_lora=tmp_path / "gpt2_adapter", quiet=True)
+    _bit_equal(_tensors(tmp_path / "gpt2_merged"), _peft_state(GPT2LMHeadModel, tmp_path / "gpt2", tmp_path / "gpt2_adapter"))
+
+    torch.manual_seed(0)
+    gemma = GemmaForCausalLM(GemmaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=16))
+    gemma.save_pretrained(tmp_path / "gemma")
+    config = json.loads((tmp_path / "gemma" / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (tmp_path / "gemma" / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(1)
+    get_peft_model(GemmaForCausalLM.from_pretrained(tmp_path / "gemma"),
+                   LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], init_lora_weights=False)
+                   ).save_pretrained(tmp_path / "gemma_adapter")
+    reshard.convert(tmp_path / "gemma", tmp_path / "gemma_merged", to="hf", merge_lora=tmp_path / "gemma_adapter", quiet=True)
+    _bit_equal(_tensors(tmp_path / "gemma_merged"), _peft_state(GemmaForCausalLM, tmp_path / "gemma", tmp_path / "gemma_adapter"))
+
+
+def test_only_modules_target_modules_names_are_merged(base: Path, tmp_path: Path) -> None:
+    """target_modules ["q_proj", "v_projj"] beside v_proj LoRA weights: PEFT puts LoRA on q_proj
+    only and never loads the v_proj pair; reshard merged both (logits 1.05 apart). It leaves the
+    pair out now, says so, and equals PEFT's merge."""
+    from transformers import LlamaForCausalLM
+
+    adapter = save_lora_adapter(base, tmp_path / "adapter", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    _edit_config(adapter, target_modules=["q_proj", "v_projj"])
+    result = reshard.convert(base, tmp_path / "merged", to="hf", merge_lora=adapter, quiet=True)
+    assert any("left out the LoRA weights of 2 modules target_modules does not name" in n for n in result.notices)
+    got = _tensors(tmp_path / "merged")
+    _bit_equal(got, _peft_state(LlamaForCausalLM, base, adapter))
+    assert torch.equal(got["model.layers.0.self_attn.v_proj.weight"], _tensors(base)["model.layers.0.self_attn.v_proj.weight"])
