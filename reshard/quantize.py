@@ -2,8 +2,8 @@
 
 The format is DeepSeek-V3's, which transformers (``FineGrainedFP8Config``), vLLM and SGLang
 read: each 2-D linear weight ``<m>.weight`` becomes ``float8_e4m3fn`` with a float32
-``<m>.weight_scale_inv`` of shape ``(ceil(rows / 128), ceil(cols / 128))``, one scale per
-128x128 block (the edge blocks partial), and ``config.json`` gets
+``<m>.weight_scale_inv`` of shape ``(rows / 128, cols / 128)``, one scale per 128x128 block,
+and ``config.json`` gets
 
     quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                            "weight_block_size": [128, 128], "modules_to_not_convert": [...]}
@@ -15,6 +15,14 @@ from the weight's float32 values (merged, dequantized or as stored: never rounde
 dtype (as DeepSeek-V3 ships them), and so does every tensor ``--keep-dtype`` names; their
 modules are listed in ``modules_to_not_convert``.
 
+So do weights with a dim that is not a multiple of 128, decided before anything is written:
+readers disagree on their partial edge blocks. DeepSeek-V3's reference and llama.cpp's converter
+take a ceil grid, but transformers' dequantizing load derives the block from the shapes (200
+rows / 2 scale rows = 100) and gets those weights wrong, and a fused MoE expert tensor (Mixtral,
+Qwen3-MoE: ``gate_up_proj``) has another grid than its experts' ceil grids stacked.
+llm-compressor refuses such layers for the same reason. An expert's module is listed with its
+``experts`` parent, so the fused experts module is not converted either.
+
 Both tensors are computed for whatever box the engine asks: a box's values need the scales of
 the blocks it touches, which need those blocks' rows whole; the scales of a row of blocks are
 computed once per tensor and kept (one float per 16,384 weights).
@@ -22,6 +30,7 @@ computed once per tensor and kept (one float per 16,384 weights).
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -50,6 +59,8 @@ _FLOAT32 = dtypes.by_name("float32")
 _HEADS = ("lm_head", "embed_out")
 _HEAD_WEIGHT = "lm_head.weight"
 _NOT_LINEAR = "modules that are not nn.Linear"
+_PARTIAL = f"dims not multiples of {BLOCK}"
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
 
 
 def _excluded(module: str) -> str | None:
@@ -67,10 +78,16 @@ def _excluded(module: str) -> str | None:
 
 
 def quantizes(name: str, entry: TensorEntry) -> bool:
-    """Whether ``--quantize fp8`` stores ``name`` in FP8: a floating 2-D ``.weight`` of a
-    module that is no embedding, head, norm or router gate."""
+    """Whether ``--quantize fp8`` could store ``name`` in FP8: a floating 2-D ``.weight`` of a
+    module that is no embedding, head, norm or router gate (``whole_blocks`` decides the rest)."""
     return (name.endswith(".weight") and len(entry.shape) == 2 and entry.dtype.is_floating_point
             and _excluded(name.removesuffix(".weight")) is None)
+
+
+def whole_blocks(entry: TensorEntry) -> bool:
+    """Whether both dims are multiples of 128: only such a weight reads back the same in every
+    reader (module docstring)."""
+    return all(d % BLOCK == 0 for d in entry.shape)
 
 
 def scale_name(name: str) -> str:
@@ -162,7 +179,10 @@ class _Scales:
 
 
 def _modules(names: list[str]) -> list[str]:
-    return sorted({n.removesuffix(".weight") for n in names})
+    """The modules of ``names``, and the ``experts`` module of any expert among them (which
+    transformers fuses into one module of stacked weights)."""
+    out = {n.removesuffix(".weight") for n in names}
+    return sorted(out | {m.group(1) for n in names if (m := _EXPERT.match(n))})
 
 
 def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambda name: False) -> Catalog:
@@ -189,6 +209,10 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
             tensors[name] = entry  # transformers' quantizers replace nn.Linear only (GPT-2's Conv1D is not)
             left.setdefault(_NOT_LINEAR, []).append(name)
             continue
+        if quantizes(name, entry) and not keep(name) and not whole_blocks(entry):
+            tensors[name] = entry
+            left.setdefault(_PARTIAL, []).append(name)
+            continue
         if not quantizes(name, entry) or keep(name):
             tensors[name] = entry
             why = "--keep-dtype" if keep(name) and quantizes(name, entry) else _excluded(module)
@@ -203,7 +227,7 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
         grid = blocks.grid
         tensors[scale] = TensorEntry(scale, grid, _FLOAT32, [Chunk(full_box(grid), _Scales(blocks))])
         done.append(name)
-    if not done:
+    if not done and _PARTIAL not in left:
         other = (f"; {len(left[_NOT_LINEAR])} 2-D weights belong to modules that are not nn.Linear (such as GPT-2's "
                  "Conv1D), which transformers' FP8 quantizer leaves alone") if _NOT_LINEAR in left else ""
         raise UsageError(f"{catalog.path}: {option('--quantize fp8', 'quantize=')} found no nn.Linear weight to "
@@ -215,6 +239,9 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
                           "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": _modules(skipped)}
     attrs = {**catalog.attrs, "hf_config": {**config, "quantization_config": qc}}
     kept = "; ".join(f"{why} {len(names)}" for why, names in left.items())
+    if _PARTIAL in left:  # a model whose dims are not multiples of 128 may have no weight left to quantize
+        kept += (f" (their partial {BLOCK}x{BLOCK} blocks are dequantized differently by transformers than by "
+                 "DeepSeek-V3's rule and llama.cpp, so they stay as they are)")
     notice = (f"quantized {len(done)} linear weights to float8_e4m3fn with float32 weight_scale_inv per {BLOCK}x{BLOCK} "
               f"block (from their float32 values); left in the compute dtype: {kept or 'none'} "
               f"(quantization_config.modules_to_not_convert: {preview(qc['modules_to_not_convert'])})")
