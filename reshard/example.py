@@ -1,4 +1,5 @@
-"""The built-in example checkpoint, written by torch itself (tests and `scripts/example.py`).
+"""The built-in example checkpoint for tests, written by torch itself (`scripts/example.py`
+makes the README's example with `reshard train` instead).
 
 ``save_fsdp2_dcp`` trains a tiny model wrapped with FSDP2 (``fully_shard``) for two AdamW
 steps on a gloo world and saves model + optimizer + extra objects with ``dcp.save``, exactly

@@ -64,7 +64,7 @@ class HFWriter(SafetensorsWriter):
 
     def layout(self, target: Target) -> list[OutputFile]:
         if "hf_source" not in target.attrs:
-            raise UsageError("--to hf output must be prepared by reshard.formats.hf.format.export_catalog (use reshard.convert)")
+            raise UsageError("--to hf output must be prepared by reshard.export.export_catalog (use reshard.convert)")
         config = export_config(target)
         if config is None:  # --weights-only: no config.json, no model to check against
             self.checked = None
