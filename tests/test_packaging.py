@@ -4,8 +4,9 @@ out of a wheel while the tests, which run from the checkout, pass."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
