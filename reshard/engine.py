@@ -5,7 +5,12 @@ Two ways a piece gets its bytes:
 * Kernel copy. When every source part of a piece is a contiguous byte range both in its
   source file and in the piece, and no cast is needed (the usual dim-0 shards), the bytes
   move with ``os.copy_file_range`` as ``cp`` does: no user-space buffer, no page-cache
-  pages charged to our RSS.
+  pages charged to our RSS. The thread that schedules locates each piece's sources (reading
+  record headers) while the workers copy, and gathers the copies of consecutive pieces into
+  one file as one job (``_KernelRuns``), where runs adjacent in both files become one copy.
+  One worker at a time writes a file this way: ext4 (like most file systems) serializes
+  writes to one file on its inode lock, and a second writer spins on it in the kernel
+  (measured: 13% of a 2-worker run's CPU samples in ``rwsem_spin_on_owner``).
 * Slabs. Otherwise the piece is cut into C-order slabs small enough that every worker's
   slab plus the source reads behind it stay inside ``max_memory``; each slab is assembled
   from its sources (cast on the way) and written at its offset. A tensor larger than the
@@ -13,8 +18,9 @@ Two ways a piece gets its bytes:
   buffer it keeps, and stored runs are read straight into it.
 
 Pieces are independent, so a thread pool overlaps reads, casts and writes (all release the
-GIL). Progress is counted in bytes (``reshard.progress``: a bar on a terminal, a line every
-10 s in a log).
+GIL): casts and writes into several files gain from more workers, kernel copies into one file
+do not (docs/benchmarks.md has the measurements behind the default). Progress is counted in
+bytes (``reshard.progress``: a bar on a terminal, a line every 10 s in a log).
 
 Every output goes through this one loop (``_schedule``) and one budget rule
 (``Engine._workers_for``); where the bytes land is a sink's business (``reshard.sinks``).
@@ -169,7 +175,39 @@ class _WholeFile:
         return self.file.relpath
 
 
-Job = gather.Window | _RowGroup | tuple[str, int, Piece] | _WholeFile
+_Run = tuple[Path, int, int, int]  # (source file, offset there, offset in the output file, bytes)
+
+
+@dataclass
+class _KernelRuns:
+    """Kernel copies into the local file ``relpath`` for ``pieces`` pieces, as one job: their
+    runs, and the file's lock (held while they are copied: one writer per file)."""
+
+    relpath: str
+    lock: threading.Lock
+    runs: list[_Run] = field(default_factory=list)
+    pieces: int = 0
+    nbytes: int = 0
+
+    def add(self, offset: int, copies: list[tuple[StoredRegion, int, int, int]]) -> None:
+        """One piece at ``offset`` of the file, as ``Engine._kernel_plan`` gives its copies."""
+        self.runs += [(region.path, src_off, offset + at, n) for region, src_off, at, n in copies]
+        self.pieces += 1
+        self.nbytes += sum(n for *_, n in copies)
+
+    def merged(self) -> list[_Run]:
+        """The runs in file order, each run that continues the previous one in both files (the
+        next record of a source that lands right after it) joined to it: one copy."""
+        out: list[_Run] = []
+        for path, src, dst, n in sorted(self.runs, key=lambda run: run[2]):
+            if out and out[-1][0] == path and out[-1][1] + out[-1][3] == src and out[-1][2] + out[-1][3] == dst:
+                out[-1] = (path, out[-1][1], out[-1][2], out[-1][3] + n)
+            else:
+                out.append((path, src, dst, n))
+        return out
+
+
+Job = gather.Window | _RowGroup | tuple[str, int, Piece] | _WholeFile | _KernelRuns
 
 
 def _digest(sink: Sink, relpath: str) -> FileDigest:
@@ -179,8 +217,12 @@ def _digest(sink: Sink, relpath: str) -> FileDigest:
 
 
 def _relpaths(job: Job) -> list[str]:
+    """The file of each piece (or window, or whole file) of ``job``: what it leaves to do in
+    each file is counted in these."""
     if isinstance(job, _RowGroup):
         return [rel for rel, _, _ in job.items]
+    if isinstance(job, _KernelRuns):
+        return [job.relpath] * job.pieces
     return [job[0] if isinstance(job, tuple) else job.relpath]
 
 
@@ -215,6 +257,9 @@ _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs a
 _WINDOW_SHARE = 4
 _WINDOW_MAX = 8 << 20
 _JOBS_IN_FLIGHT = 4  # per worker: enough queued that no worker waits for the next job
+# Kernel copies into one file gathered into one job (``_KernelRuns``) up to this many bytes:
+# a few lock handovers per GiB, while the first copy starts after a few dozen pieces located.
+_KERNEL_BATCH = 64 << 20
 
 
 # An object store answers each request after tens of milliseconds whatever its size: reading
@@ -265,6 +310,9 @@ class Engine:
                  desc: str = "writing", fsync: bool = False) -> None:
         self.max_memory = max_memory
         self.fsync = fsync
+        # A worker per core, up to 4: measured on 2 cores (docs/benchmarks.md, 2026-11-28), 2
+        # workers were 11-13% faster than 1 writing several files and no slower for one, and 4
+        # gained nothing over 2.
         self.workers = workers or max(1, min(4, os.cpu_count() or 1))
         self._workers_given = workers is not None
         self.show_progress = progress
@@ -339,20 +387,8 @@ class Engine:
 
     def _copy_piece(self, out: SinkFile, offset: int, piece: Piece, sources: list[Source], fds: FdPool,
                     stats: EngineStats, bar: Progress) -> None:
-        """``piece`` into ``out`` at ``offset``: kernel copies into a local file where its
-        sources allow, else slab by slab in this worker's scratch."""
-        copies = self._kernel_plan(piece, sources) if out.fd is not None else None
-        if copies is not None:
-            assert out.fd is not None  # a local file
-            for region, src_off, at, n in copies:
-                if self._stop.is_set():
-                    return
-                with fds.use(region.path) as src_fd:
-                    _kernel_copy(src_fd, src_off, out.fd, offset + at, n, region.path)
-                stats.add(kernel=n)
-                bar.update(n)
-            out.written(offset, piece.nbytes)
-            return
+        """``piece`` into ``out`` at ``offset``, slab by slab in this worker's scratch (kernel
+        copies are ``_KernelRuns`` jobs)."""
         self._import_torch_for(piece.dtype, sources, bar)
         at = offset
         slab_bytes = self._slab_bytes(piece, sources)
@@ -367,6 +403,42 @@ class Engine:
             stats.add(buffered=data.nbytes)
             bar.update(data.nbytes)
         out.written(offset, piece.nbytes)
+
+    def _copy_runs(self, job: _KernelRuns, sink: Sink, fds: FdPool, stats: EngineStats, bar: Progress) -> None:
+        """A ``_KernelRuns`` job: its runs copied by the kernel, holding its file's lock."""
+        with job.lock, sink.file(job.relpath) as out:
+            assert out.fd is not None  # a random-access sink's files are local
+            for path, src_off, dst_off, n in job.merged():
+                if self._stop.is_set():
+                    return
+                with fds.use(path) as src_fd:
+                    _kernel_copy(src_fd, src_off, out.fd, dst_off, n, path)
+                out.written(dst_off, n)
+                stats.add(kernel=n)
+                bar.update(n)
+
+    def _kernel_jobs(self, jobs: Iterable[Job], plan: Plan) -> Iterator[Job]:
+        """``jobs`` in their order, each piece's sources located here (in the scheduling thread,
+        while the workers copy what came before); pieces the kernel can copy leave as
+        ``_KernelRuns``, consecutive ones into the same file together, up to ``_KERNEL_BATCH``
+        bytes."""
+        locks: dict[str, threading.Lock] = {}
+        batch: _KernelRuns | None = None
+        for job in jobs:
+            copies = self._kernel_plan(job[2], plan.sources[job[2]]) if isinstance(job, tuple) else None
+            if batch is not None and (copies is None or _relpaths(job)[0] != batch.relpath
+                                      or batch.nbytes >= _KERNEL_BATCH):
+                yield batch
+                batch = None
+            if copies is None or not isinstance(job, tuple):
+                yield job
+                continue
+            rel, offset, _ = job
+            if batch is None:
+                batch = _KernelRuns(rel, locks.setdefault(rel, threading.Lock()))
+            batch.add(offset, copies)
+        if batch is not None:
+            yield batch
 
     def _jobs(self, work: list[tuple[str, int, Piece]], plan: Plan) -> list[_RowGroup | tuple[str, int, Piece]]:
         """``work`` as jobs, in its order: one piece each, except pieces of one tensor that
@@ -503,6 +575,24 @@ class Engine:
             mine.sort(key=lambda step: step[0])
         return [_WholeFile(f, steps[f.relpath]) for f in files]
 
+    def _fill(self, job: Job, sink: Sink, plan: Plan, fds: FdPool, stats: EngineStats, bar: Progress,
+              window_bytes: int) -> None:
+        """One job of ``run``, whatever its kind."""
+        if isinstance(job, _WholeFile):
+            self._write_whole(job, sink, plan, fds, stats, bar, window_bytes)
+        elif isinstance(job, _KernelRuns):
+            self._copy_runs(job, sink, fds, stats, bar)
+        elif isinstance(job, gather.Window):
+            assert plan.gathered is not None  # windows come from it
+            with sink.file(job.relpath) as target:
+                self._fill_window(job, plan.gathered, target, fds, stats, bar, window_bytes)
+        elif isinstance(job, _RowGroup):
+            self._fill_rows(job, sink, fds, stats, bar)
+        else:
+            rel, off, piece = job
+            with sink.file(rel) as target:
+                self._copy_piece(target, off, piece, plan.sources[piece], fds, stats, bar)
+
     @without_gc  # a chunk located per piece makes objects by the hundred thousand (reshard/gc_pause.py)
     def run(self, plan: Plan, out: Sink | Path, output_is_dir: bool = True, *, digests: bool = False) -> EngineStats:
         """Write every file of ``plan`` through ``out``: a sink (``reshard.sinks``), or a
@@ -542,23 +632,14 @@ class Engine:
                     work.sort(key=lambda w: -w[2].nbytes)
                 jobs += [w for rel, runs in gathered.items() if rel not in whole_paths
                          for w in gather.windows(rel, runs, window_bytes)]
-                jobs += self._jobs(work, plan)
-            left = Counter(rel for job in jobs for rel in _relpaths(job))  # jobs to do, per file
+                with fds.lending():  # locating the chunks of pieces that may share their rows
+                    jobs += self._jobs(work, plan)
+            left = Counter(rel for job in jobs for rel in _relpaths(job))  # pieces to do, per file
             lock = threading.Lock()
 
             def fill(job: Job) -> None:
-                if isinstance(job, _WholeFile):
-                    self._write_whole(job, sink, plan, fds, stats, bar, window_bytes)
-                elif isinstance(job, gather.Window):
-                    assert plan.gathered is not None  # windows come from it
-                    with sink.file(job.relpath) as target:
-                        self._fill_window(job, plan.gathered, target, fds, stats, bar, window_bytes)
-                elif isinstance(job, _RowGroup):
-                    self._fill_rows(job, sink, fds, stats, bar)
-                else:
-                    rel, off, piece = job
-                    with sink.file(rel) as target:
-                        self._copy_piece(target, off, piece, plan.sources[piece], fds, stats, bar)
+                with fds.lending():
+                    self._fill(job, sink, plan, fds, stats, bar, window_bytes)
                 if hashing is not None:  # digests asked for
                     with lock:
                         for rel in _relpaths(job):
@@ -569,7 +650,9 @@ class Engine:
             if hashing is not None:  # files of literal bytes only are complete already
                 hashed.update({f.relpath: hashing.submit(_digest, sink, f.relpath)
                                for f in plan.files if not left[f.relpath]})
-            _schedule(_in_order(jobs, order if digests else None), workers, fill, self._stop, str(sink.where))
+            with fds.lending():  # the kernel copies' sources are located as jobs are handed out
+                _schedule(self._kernel_jobs(_in_order(jobs, order if digests else None), plan), workers, fill,
+                          self._stop, str(sink.where))
             stats.digests = {rel: fut.result() for rel, fut in hashed.items()}
             sink.sync()
         finally:

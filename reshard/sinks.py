@@ -5,7 +5,8 @@ sink through one small interface: ``prepare`` the files, then ``file(relpath)`` 
 handle whose ``write_at`` takes bytes at an offset. Two kinds of storage, two ways in:
 
 * ``FolderSink``: local files, made at their full size first, then written at any offset,
-  in any order, by any worker (``random_access``); kernel copies go to the handle's ``fd``.
+  in any order, by any worker (``random_access``); kernel copies go to the handle's ``fd``,
+  the descriptor the file was made with (each file is opened once).
 * ``RemoteSink``: objects behind an fsspec URL, each uploaded front to back by one worker
   (an object appears whole when its upload closes, multipart on S3 and GCS).
 
@@ -174,8 +175,10 @@ class FolderSink:
                 # Sized, not reserved: pwrite into posix_fallocate'd (unwritten) extents measured 6x
                 # slower than into a sparse file on ext4. Free space was checked once, above.
                 os.ftruncate(fd, size)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            self._outs.adopt(path, fd)  # the writes go through this descriptor: the file is opened once
 
     @contextmanager
     def file(self, relpath: str) -> Iterator[_LocalFile]:

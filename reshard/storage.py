@@ -17,6 +17,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -25,12 +26,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from reshard.errors import UsageError
 
 __all__ = ["is_url", "RemotePath", "RemoteFile", "Handle", "as_location", "open_read", "handle_size", "close", "pread_into",
-           "parse_storage_options", "forget_cached", "will_read"]
+           "parse_storage_options", "forget_cached", "will_read", "Lender", "borrowing"]
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://")
 
@@ -344,11 +345,48 @@ def as_location(path: Any) -> Any:
     return Path(path)
 
 
+class Lender(Protocol):
+    """Read descriptors of local files, opened once and shared (``reshard.fd_pool.FdPool``)."""
+
+    def lend(self, path: Any) -> Handle:
+        """``path``'s descriptor, kept open until given back."""
+        ...
+
+    def take_back(self, fd: int) -> bool:
+        """Whether ``fd`` was lent (and is now given back): else the caller closes it."""
+        ...
+
+
+# The lender each thread borrows from (``borrowing``), by thread id.
+_lenders: dict[int, Lender] = {}
+
+
+@contextlib.contextmanager
+def borrowing(lender: Lender) -> Iterator[None]:
+    """Within, this thread's ``open_read`` of a local file takes ``lender``'s descriptor and
+    ``close`` gives it back. The readers open a file afresh for each record they parse (a DCP
+    chunk's archive: sniffed, then its zip directory read): while the engine copies, those
+    opens reuse the descriptor its copies read through, so each source file is opened once.
+    Per thread, so a reader in a thread the engine does not run never holds the engine's
+    descriptors (they are closed when its run ends)."""
+    me = threading.get_ident()
+    before = _lenders.get(me)
+    _lenders[me] = lender
+    try:
+        yield
+    finally:
+        if before is None:
+            del _lenders[me]
+        else:
+            _lenders[me] = before
+
+
 def open_read(path: Any) -> Handle:
     """A handle to read ``path`` through ``pread_into``: a descriptor, or a ``RemoteFile``."""
     if isinstance(path, RemotePath):
         return RemoteFile(path)
-    return os.open(path, os.O_RDONLY)
+    lender = _lenders.get(threading.get_ident())
+    return os.open(path, os.O_RDONLY) if lender is None else lender.lend(path)
 
 
 def handle_size(handle: Handle) -> int:
@@ -358,7 +396,9 @@ def handle_size(handle: Handle) -> int:
 def close(handle: Handle) -> None:
     if isinstance(handle, RemoteFile):
         handle.close()
-    else:
+        return
+    lender = _lenders.get(threading.get_ident())
+    if lender is None or not lender.take_back(handle):
         os.close(handle)
 
 

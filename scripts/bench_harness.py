@@ -216,36 +216,47 @@ def _log_name(row: Row, rep: int) -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in row.name) + f".{rep}.log"
 
 
-def measure(rows: Sequence[Row], ctx: Context, repeats: int, logdir: Path) -> list[Measurement]:
-    """Run every row ``repeats`` times, round-robin, each in an emptied scratch dir.
+def measure(rows: Sequence[Row], ctx: Context, repeats: int, logdir: Path, paired: Sequence[str] = ()) -> list[Measurement]:
+    """Run every row ``repeats`` times, each run in an emptied scratch dir.
 
-    A row that fails once is not run again; a required row's failure keeps its log tail.
+    The rows named in ``paired`` (an acceptance pair: cp and the reshard row it is held to)
+    run first, alternately, one after the other and nothing between (cp, reshard, cp,
+    reshard...): each round's ratio then compares runs seconds apart, under the same
+    write-back and the same neighbours. The other rows follow round-robin. A row that fails
+    once is not run again; a required row's failure keeps its log tail.
     """
     results = [Measurement(r.name, r.kind, r.required) for r in rows]
-    for rep in range(repeats):
-        for row, m in zip(rows, results):
-            if m.error is not None:
-                continue
-            _clear(ctx.scratch)
-            cmd = row.build(ctx)
-            sources = cmd.sources if cmd.sources is not None else (ctx.src, *ctx.scratch.parent.glob("*.zarr"))
-            for warm in sources:
-                warm_read(warm)  # again before each run: page-cache pages can be evicted meanwhile
-            m.argv = cmd.argv
-            log = logdir / _log_name(row, rep)
-            res = run_measured(cmd.argv, ctx.scratch, log, ctx.probe, cmd.stdout)
-            m.error = _failure(res, cmd)
-            if m.error is None:
-                m.walls.append(res.wall)
-                m.cpus.append(res.cpu)
-                m.rss_kib.append(res.maxrss_kib)
-            state = "ok" if m.error is None else f"FAILED {m.error}"
-            print(f"  [{rep + 1}/{repeats}] {row.name:<26} {res.wall:7.2f}s {res.maxrss_kib / 1024:7.0f} MiB  {state}",
-                  file=sys.stderr, flush=True)
-            if m.error is not None and row.required:
-                m.error += f"\n    log: {log}\n    " + "\n    ".join(res.log_tail.splitlines()[-15:])
+    first = [(r, m) for r, m in zip(rows, results) if r.name in paired]
+    rest = [(r, m) for r, m in zip(rows, results) if r.name not in paired]
+    for group in (first, rest):
+        for rep in range(repeats):
+            for row, m in group:
+                if m.error is None:
+                    _run_once(row, m, ctx, rep, repeats, logdir)
     _clear(ctx.scratch)
     return results
+
+
+def _run_once(row: Row, m: Measurement, ctx: Context, rep: int, repeats: int, logdir: Path) -> None:
+    """One run of ``row`` from an emptied scratch dir and a warm source, added to ``m``."""
+    _clear(ctx.scratch)
+    cmd = row.build(ctx)
+    sources = cmd.sources if cmd.sources is not None else (ctx.src, *ctx.scratch.parent.glob("*.zarr"))
+    for warm in sources:
+        warm_read(warm)  # again before each run: page-cache pages can be evicted meanwhile
+    m.argv = cmd.argv
+    log = logdir / _log_name(row, rep)
+    res = run_measured(cmd.argv, ctx.scratch, log, ctx.probe, cmd.stdout)
+    m.error = _failure(res, cmd)
+    if m.error is None:
+        m.walls.append(res.wall)
+        m.cpus.append(res.cpu)
+        m.rss_kib.append(res.maxrss_kib)
+    state = "ok" if m.error is None else f"FAILED {m.error}"
+    print(f"  [{rep + 1}/{repeats}] {row.name:<26} {res.wall:7.2f}s {res.cpu:6.2f}s cpu {res.maxrss_kib / 1024:7.0f} MiB  "
+          f"{state}", file=sys.stderr, flush=True)
+    if m.error is not None and row.required:
+        m.error += f"\n    log: {log}\n    " + "\n    ".join(res.log_tail.splitlines()[-15:])
 
 
 

@@ -74,6 +74,25 @@ def test_command_stdout_and_check(scripts: Path, tmp_path: Path) -> None:
     assert _failure(res, wrong) == "exit 0 but it printed nothing useful"
 
 
+def test_acceptance_pair_runs_alternately_first(scripts: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """cp and the reshard row it is held to run back to back, round after round (cp, reshard,
+    cp, reshard...), before the other rows; the check line gives both walls and CPU seconds."""
+    import bench
+    from bench_harness import CP, Command, Context, Row, measure, rss_probe, summarize
+
+    ctx = Context(tmp_path / "src", tmp_path / "scratch", sys.executable, (), "1MiB", rss_probe())
+    (tmp_path / "src").mkdir()
+    (tmp_path / "logs").mkdir()
+    run = Command([sys.executable, "-c", "pass"], sources=())
+    rows = [Row("other", lambda c: run), Row(CP, lambda c: run, kind="bytes"), Row(bench.RESHARD_ST, lambda c: run)]
+    results = measure(rows, ctx, 3, tmp_path / "logs", paired=(CP, bench.RESHARD_ST))
+    order = [line.split("]", 1)[1].split()[0] for line in capsys.readouterr().err.splitlines()]
+    assert order == ["cp", "reshard"] * 3 + ["other"] * 3
+    assert [m.name for m in results] == ["other", CP, bench.RESHARD_ST] and all(len(m.cpus) == 3 for m in results)
+    check = next(c for c in bench.acceptance(summarize(results)) if c["name"] == "DCP -> safetensors wall / cp wall")
+    assert "3 alternating rounds" in check["text"] and " cpu " in check["text"] and "cp wall" in check["text"]
+
+
 def test_scale_growth_and_prediction(scripts: Path) -> None:
     from bench_scale import growth_exponent, predict_peak_mib
 

@@ -133,6 +133,36 @@ def test_fd_pool_closes_idle_files_only() -> None:
         assert pool.open_count == 0
 
 
+def test_fd_pool_lends_its_descriptors_to_readers_of_its_threads_only(tmp_path: Path) -> None:
+    """Inside ``lending``, ``storage.open_read`` of a local file gives the pool's descriptor
+    and ``storage.close`` gives it back (still open, for the next reader and the copies);
+    another thread, or this one afterwards, opens and closes its own."""
+    import os
+    import threading
+
+    from reshard.fd_pool import FdPool
+    from reshard.storage import close, open_read
+
+    path = tmp_path / "f"
+    path.write_bytes(b"xyz")
+    pool = FdPool(os.O_RDONLY)
+    with pool.use(path) as fd:
+        with pool.lending():
+            lent = open_read(path)
+            other: list[int] = []
+            thread = threading.Thread(target=lambda: other.append(open_read(path)))
+            thread.start()
+            thread.join()
+            close(lent)
+        assert lent == fd and other[0] != fd
+        close(other[0])
+        assert os.pread(fd, 3, 0) == b"xyz" and pool.open_count == 1  # given back, not closed
+    own = open_read(path)
+    assert own != fd
+    close(own)
+    pool.close()
+
+
 def test_slabs_are_read_into_each_workers_reused_buffer(tmp_path: Path, monkeypatch) -> None:
     """Stored runs land in the worker's scratch buffer, not in fresh memory per slab (fresh
     pages are faulted in and zeroed by the kernel each time): slabs that cross shard
@@ -212,3 +242,79 @@ def test_column_shards_of_one_tensor_read_their_rows_once(tmp_path: Path, monkey
         # Every row once for the four column shards, rows 5-24 once more for the other two files:
         # about 1.5x the tensor; piece by piece it would be about 4.5x.
         assert sum(read) <= 1.6 * t.numel() * 4, (dtype, sum(read) / (t.numel() * 4))
+
+
+def test_adjacent_runs_are_one_kernel_copy(tmp_path: Path, monkeypatch) -> None:
+    """Runs that follow each other both in their source file and in the output (two chunks of a
+    tensor stored back to back, two tensors likewise) are one copy_file_range; a run after a
+    gap in either file is a copy of its own."""
+    import reshard.engine as engine
+
+    copies: list[int] = []
+    real = engine._kernel_copy
+    monkeypatch.setattr(engine, "_kernel_copy", lambda s, so, d, do, n, p: copies.append(n) or real(s, so, d, do, n, p))
+    a, b = torch.randn(6, 4), torch.randn(3, 4)
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"HDR" + a.numpy().tobytes() + b.numpy().tobytes() + b"GAP" + b.numpy().tobytes())
+    cat = Catalog("test", tmp_path)
+    for name, t, chunks in (("a", a, [(0, 3, 3), (3, 3, 3 + 48)]), ("b", b, [(0, 3, 3 + 96)]),
+                            ("c", b, [(0, 3, 3 + 96 + 48 + 3)])):
+        entry = TensorEntry(name, tuple(t.shape), t.dtype)
+        for row, rows, at in chunks:
+            box = Box((row, 0), (rows, 4))
+            entry.chunks.append(Chunk(box, StoredRegion(src, at, t.dtype, box.sizes)))
+        cat.tensors[name] = entry
+    pieces = [Piece(n, full_box(tuple(cat.tensors[n].shape)), torch.float32) for n in ("a", "b", "c")]
+    out = tmp_path / "out"
+    out.mkdir()
+    stats = Engine(1 << 20, workers=2, progress=False).run(make_plan(cat, [OutputFile("f.bin", [b"H", *pieces])]), out, True)
+    assert (out / "f.bin").read_bytes() == b"H" + a.numpy().tobytes() + b.numpy().tobytes() * 2
+    assert sorted(copies) == [48, 144] and stats.kernel_bytes == 192  # a and b in one copy; c after the gap
+
+
+def test_files_are_not_reopened_per_record_and_one_worker_writes_a_file(tmp_path: Path, monkeypatch) -> None:
+    """A DCP folder of many records into one file: the data file is opened once to plan and
+    once to copy, however many records are located in it (each is its own torch.save archive,
+    whose headers a reader opens the file to parse), the output once; and no two workers
+    copy into the output at once (they would only queue on its inode lock, the second one
+    spinning in the kernel)."""
+    import os
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    import reshard
+    import reshard.engine as engine
+
+    state = {f"layer{i}.w": torch.randn(16, 8) for i in range(12)}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda path, *a, **k: opened.append(os.fspath(path)) or real_open(path, *a, **k))
+    busy: dict[int, int] = {}
+    most = [0]
+    lock = threading.Lock()
+    real_copy = engine._kernel_copy
+
+    def copy(src_fd, src_off, dst_fd, dst_off, n, path):  # type: ignore[no-untyped-def]
+        with lock:
+            busy[dst_fd] = busy.get(dst_fd, 0) + 1
+            most[0] = max(most[0], busy[dst_fd])
+        try:
+            threading.Event().wait(0.002)  # long enough for another worker to come in
+            return real_copy(src_fd, src_off, dst_fd, dst_off, n, path)
+        finally:
+            with lock:
+                busy[dst_fd] -= 1
+
+    monkeypatch.setattr(engine, "_kernel_copy", copy)
+    monkeypatch.setattr(engine, "_KERNEL_BATCH", 1)  # a job per piece: four workers have all the chance to collide
+    result = reshard.convert(tmp_path / "ckpt", tmp_path / "out.safetensors", workers=4, quiet=True)
+    assert result.kernel_bytes == 12 * 16 * 8 * 4 and most[0] == 1
+    data = [p for p in opened if p.endswith(".distcp")]
+    assert len(data) == 2 and len(set(data)) == 1, data
+    made = [p for p in opened if ".out.safetensors.reshard-tmp" in p]
+    assert len(made) == 1, made
+    from safetensors.torch import load_file
+
+    assert all(torch.equal(load_file(tmp_path / "out.safetensors")[n], t) for n, t in state.items())
