@@ -32,7 +32,7 @@ import contextlib
 import functools
 import re
 import shlex
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -279,6 +279,18 @@ class ModelFacts:
     head: str | None
     tied: bool
     classes: dict[str, str] = field(default_factory=dict)  # module name -> its class's name (``Conv1D``...)
+    # what a checkpoint name is called in the loaded model: transformers 5 renames on load
+    # (Llava's ``language_model.model.layers`` -> ``model.language_model.layers``)
+    loaded_name: Callable[[str], str] = str
+
+    def loaded_names(self, names: Iterable[str]) -> dict[str, str]:
+        """Checkpoint name -> the loaded model's name, for the ``names`` a rename changes."""
+        out = {}
+        for name in names:
+            loaded = self.loaded_name(name)
+            if loaded != name:
+                out[name] = loaded
+        return out
 
 
 def model_facts(config: Mapping[str, Any]) -> ModelFacts | None:
@@ -312,7 +324,29 @@ def _model_facts(config_json: str) -> ModelFacts | None:
     tied = bool(getattr(text, "tie_word_embeddings", getattr(model.config, "tie_word_embeddings", False)))
     modules = [(n, m) for n, m in model.named_modules() if n]
     return ModelFacts({n: isinstance(m, torch.nn.Linear) for n, m in modules}, embed, head, tied,
-                      {n: type(m).__name__ for n, m in modules})
+                      {n: type(m).__name__ for n, m in modules}, _renamer(model))
+
+
+def _renamer(model: Any) -> Callable[[str], str]:
+    """transformers' own renaming of checkpoint keys on load (``rename_source_key`` with the
+    model's ``WeightRenaming`` rules; converters that merge tensors are left out: a LoRA delta
+    targets one module's weight); the identity where this transformers has none."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except (ImportError, AttributeError, TypeError):
+        return str
+    if not renamings:
+        return str
+    prefix = getattr(model, "base_model_prefix", None)
+    known = dict.fromkeys(model.state_dict(), True)
+
+    def loaded(name: str) -> str:
+        return rename_source_key(name, renamings, [], prefix, known)[0]
+
+    return loaded
 
 
 def _torch_dtype(config: Mapping[str, Any]) -> Any:

@@ -302,6 +302,9 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
     facts = model_facts(config) if config else None
     adapter = read_adapter(spec, facts.classes if facts else None)
     tensors = dict(catalog.tensors)
+    # PEFT names modules as the loaded model does; the checkpoint keeps its own names (transformers
+    # 5 renames Llava's language_model.model.layers to model.language_model.layers on load)
+    stored = {loaded: name for name, loaded in facts.loaded_names(tensors).items()} if facts else {}
     embed, head = (facts.embed or _EMBED, facts.head or _HEAD) if facts else (_EMBED, _HEAD)
     tied = (facts.tied if facts else bool(config.get("tie_word_embeddings"))) and head not in tensors
     order = {m: i for i, m in enumerate(facts.linear)} if facts else {}
@@ -312,6 +315,7 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
                              "PEFT and save with tie_word_embeddings false")
         if name == head and tied:  # a base layer PEFT loads into the one shared parameter
             name = embed
+        name = stored.get(name, name)
         if name not in tensors:
             raise UsageError(f"{adapter.path}: module {name.rpartition('.')[0]!r}: the adapter saves {name}, which the "
                              f"base {catalog.path} does not have")
@@ -324,6 +328,7 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
         name = f"{module}.weight"
         if name == head and tied:
             name = embed  # one parameter in PEFT's model: both deltas land on it
+        name = stored.get(name, name)
         base = tensors.get(name)
         if base is None:
             raise UsageError(f"{adapter.path}: module {module!r} is adapted, but the base {catalog.path} has no {name}")

@@ -283,3 +283,38 @@ def test_only_modules_target_modules_names_are_merged(base: Path, tmp_path: Path
     got = _tensors(tmp_path / "merged")
     _bit_equal(got, _peft_state(LlamaForCausalLM, base, adapter))
     assert torch.equal(got["model.layers.0.self_attn.v_proj.weight"], _tensors(base)["model.layers.0.self_attn.v_proj.weight"])
+
+
+def test_an_adapter_named_as_transformers_5_loads_the_model(tmp_path: Path) -> None:
+    """A Llava adapter made with transformers 5 names `model.language_model.layers.0...` (the
+    loaded model's names), while the checkpoint transformers 5 saves keeps
+    `language_model.model.layers...`: reshard refused it ("the base has no ..."); the names go
+    through transformers' own renaming on load now, and the merge equals PEFT's, saved."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = LlavaConfig(vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                        num_attention_heads=2, image_size=28, patch_size=14,
+                                                        projection_dim=32),
+                         text_config=LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16),
+                         image_token_index=63)
+    model = LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    model.save_pretrained(tmp_path / "base")
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" in _tensors(tmp_path / "base")
+    torch.manual_seed(1)
+    get_peft_model(LlavaForConditionalGeneration.from_pretrained(tmp_path / "base"),
+                   LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)",
+                              init_lora_weights=False)).save_pretrained(tmp_path / "adapter")
+    reshard.convert(tmp_path / "base", tmp_path / "merged", to="hf", merge_lora=tmp_path / "adapter", quiet=True)
+    peft = PeftModel.from_pretrained(LlavaForConditionalGeneration.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    peft.merge_and_unload().save_pretrained(tmp_path / "peft")
+    expected, got = _tensors(tmp_path / "peft"), _tensors(tmp_path / "merged")
+    assert sorted(got) == sorted(expected)
+    _bit_equal(got, expected)
+    assert not torch.equal(got["language_model.model.layers.1.self_attn.v_proj.weight"],
+                           _tensors(tmp_path / "base")["language_model.model.layers.1.self_attn.v_proj.weight"])
