@@ -15,6 +15,7 @@ from reshard.conventions import Layout, detect_layout, layout_notices
 from reshard.dtypes import parse_dtype
 from reshard.engine import Engine, EngineStats
 from reshard.errors import OutputExistsError, SourceChangedError, UsageError, option
+from reshard.fd_pool import FdPool
 from reshard.formats.registry import (
     all_suffixes,
     format_entry,
@@ -171,11 +172,18 @@ def convert(
     """
     start = time.perf_counter()
     opts = _options(options, given)
-    with opts.allowing():  # allow_classes: for this call only (objects may be read until it returns)
-        return _convert(src, dst, opts, start)
+    # One descriptor per source file for the whole call: the readers that plan (a DCP record's
+    # header, sniffed and parsed) and the engine that copies share it (reshard.fd_pool).
+    reads = FdPool(os.O_RDONLY)
+    try:
+        with opts.allowing(), reads.lending():  # allow_classes: for this call only (objects may be read until it returns)
+            return _convert(src, dst, opts, start, reads)
+    finally:
+        reads.close()
 
 
-def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: ConvertOptions, start: float) -> ConvertResult:
+def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: ConvertOptions, start: float,
+             reads: FdPool | None = None) -> ConvertResult:
     dst_path = local_path(dst) if dst is not None else None
     if dst_path is not None and not opts.dry_run:  # a taken name fails before anything is read
         _refuse_taken(dst_path, opts.overwrite)
@@ -238,7 +246,7 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
                           check=lambda: _check_unchanged(before))
     shown = Path(str(out)).name
     stats = write_output(plan, writer, target, files, sink, current_workers() if remote_dst is None else None, opts,
-                         desc=f"{source.label} → {shown}")
+                         desc=f"{source.label} → {shown}", reads=reads)
     return result(time.perf_counter() - start, stats.kernel_bytes)
 
 
@@ -371,12 +379,14 @@ def _as_told(layout: Layout, told: Layout | None) -> Layout:
 
 
 def write_output(plan: Plan, writer: Writer, target: Target, files: list[OutputFile], sink: OutputSink,
-                 group: Workers | None, opts: ConvertOptions, *, desc: str) -> EngineStats:
+                 group: Workers | None, opts: ConvertOptions, *, desc: str, reads: FdPool | None = None) -> EngineStats:
     """Write ``files`` through ``sink`` and make them an output (or nothing). Under torchrun
     (``group``) each rank writes its share of the files into rank 0's staging folder, and rank
-    0 alone opens the sink, finishes and commits; an error on any rank is raised on all."""
+    0 alone opens the sink, finishes and commits; an error on any rank is raised on all.
+    ``reads``: the source descriptors planning opened, for the engine to copy through."""
     rank = group.rank if group is not None else 0
-    engine = Engine(opts.budget, workers=opts.workers, progress=not opts.quiet and rank == 0, desc=desc, fsync=opts.fsync)
+    engine = Engine(opts.budget, workers=opts.workers, progress=not opts.quiet and rank == 0, desc=desc, fsync=opts.fsync,
+                    reads=reads)
     if group is None:
         try:
             sink.open()

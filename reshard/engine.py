@@ -307,9 +307,10 @@ class Engine:
     """Executes a plan under ``max_memory``, writing through a sink (``reshard.sinks``)."""
 
     def __init__(self, max_memory: int, *, workers: int | None = None, progress: bool = True,
-                 desc: str = "writing", fsync: bool = False) -> None:
+                 desc: str = "writing", fsync: bool = False, reads: FdPool | None = None) -> None:
         self.max_memory = max_memory
         self.fsync = fsync
+        self.reads = reads  # the caller's read descriptors (planning opened the sources through them), else our own
         # A worker per core, up to 4: measured on 2 cores (docs/benchmarks.md, 2026-11-28), 2
         # workers were 11-13% faster than 1 writing several files and no slower for one, and 4
         # gained nothing over 2.
@@ -604,7 +605,7 @@ class Engine:
         sink = out if not isinstance(out, Path) else FolderSink(out, output_is_dir, fsync=self.fsync)
         workers, self._slab_memory = self._workers_for(plan, sink)
         self._active_workers = workers
-        stats, fds = EngineStats(), FdPool(os.O_RDONLY)
+        stats, fds = EngineStats(), self.reads or FdPool(os.O_RDONLY)
         digests = digests and sink.is_dir and sink.random_access
         hashing = ThreadPoolExecutor(self.workers) if digests else None
         hashed: dict[str, Future] = {}
@@ -659,6 +660,7 @@ class Engine:
             if hashing is not None:
                 hashing.shutdown(cancel_futures=True)
             bar.close()
-            fds.close()
+            if fds is not self.reads:  # the caller closes its own when its call ends
+                fds.close()
             sink.close()
         return stats
