@@ -306,7 +306,7 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
     # 5 renames Llava's language_model.model.layers to model.language_model.layers on load)
     stored = {loaded: name for name, loaded in facts.loaded_names(tensors).items()} if facts else {}
     embed, head = (facts.embed or _EMBED, facts.head or _HEAD) if facts else (_EMBED, _HEAD)
-    tied = (facts.tied if facts else bool(config.get("tie_word_embeddings"))) and head not in tensors
+    tied = (facts.tied if facts else bool(config.get("tie_word_embeddings"))) and stored.get(head, head) not in tensors
     order = {m: i for i, m in enumerate(facts.linear)} if facts else {}
     for name, entry in adapter.whole.items():
         if tied and name in (embed, head) and name not in adapter.base_layers:
