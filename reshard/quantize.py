@@ -205,19 +205,19 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
     linear = facts.linear if facts else {}  # a module the model lacks (or no model built): by its name alone
     for name, entry in catalog.tensors.items():
         module = name.removesuffix(".weight")
-        if quantizes(name, entry) and not keep(name) and linear.get(module, True) is False:
-            tensors[name] = entry  # transformers' quantizers replace nn.Linear only (GPT-2's Conv1D is not)
-            left.setdefault(_NOT_LINEAR, []).append(name)
-            continue
-        if quantizes(name, entry) and not keep(name) and not whole_blocks(entry):
+        if not quantizes(name, entry):
             tensors[name] = entry
-            left.setdefault(_PARTIAL, []).append(name)
-            continue
-        if not quantizes(name, entry) or keep(name):
-            tensors[name] = entry
-            why = "--keep-dtype" if keep(name) and quantizes(name, entry) else _excluded(module)
+            why = _excluded(module)
             if why is not None and name.endswith(".weight") and entry.dtype.is_floating_point:
                 left.setdefault(why, []).append(name)
+            continue
+        # transformers' quantizers replace nn.Linear only (GPT-2's Conv1D is not); partial blocks
+        # read back differently in different readers (module docstring)
+        why = ("--keep-dtype" if keep(name) else _NOT_LINEAR if linear.get(module, True) is False
+               else _PARTIAL if not whole_blocks(entry) else None)
+        if why is not None:
+            tensors[name] = entry
+            left.setdefault(why, []).append(name)
             continue
         blocks = _Blocks(entry)
         tensors[name] = TensorEntry(name, entry.shape, _FP8, [Chunk(full_box(entry.shape), _Values(blocks))])
