@@ -249,6 +249,8 @@ def _build(config: Mapping[str, Any]) -> _Built | ArchitectureCheck:
             # As on a GPU: the quantized modules replaced (FP8Linear...), not dequantized, so
             # the names and dtypes of the release are what is expected.
             quantizer = AutoHfQuantizer.from_config(hf_config.quantization_config, pre_quantized=True)
+            if type(quantizer).__name__ == "CompressedTensorsHfQuantizer":
+                quantizer.validate_environment()  # as from_pretrained: picks its kernel path by the hardware
         from transformers.modeling_utils import local_torch_dtype
 
         with torch.device("meta"), local_torch_dtype(dtype, name):  # made in config.json's dtype, as from_pretrained does

@@ -154,9 +154,10 @@ FLAGS: tuple[Flag, ...] = (
          "or Hub repo id) into the weights, W + scaling * (B @ A) in float32, streamed.", ("convert",), metavar="ADAPTER"),
     Flag("keep_dtype", ("--keep-dtype",), Optional[list[str]], "With --dtype or --quantize: tensors whose output name matches "
          "this regex keep their source dtype (repeatable).", ("convert",), metavar="REGEX"),
-    Flag("quantize", ("--quantize",), Optional[str], "With --to {takes:quantize}: store linear weights as float8_e4m3fn with "
-         "float32 scales per 128x128 block (DeepSeek-V3's format, for vLLM, SGLang, transformers).", ("convert",),
-         metavar="fp8"),
+    Flag("quantize", ("--quantize",), Optional[str], "With --to {takes:quantize}: store the linear weights quantized: fp8 "
+         "(DeepSeek-V3's float8_e4m3fn with float32 scales per 128x128 block), or compressed-tensors' fp8-dynamic (a "
+         "scale per output channel), fp8-block (per 128x128 block) or nvfp4 (NVFP4A16), for vLLM, SGLang and "
+         "transformers.", ("convert",), metavar="SCHEME"),
     # --- comparing
     Flag("atol", ("--atol",), Optional[float], "Absolute tolerance for floating/complex values (default: exact, bit for bit).",
          ("verify",)),

@@ -13,7 +13,7 @@ writer (``formats/hf``, which only writes the folder's files) lays anything out:
   way: ``lm_head.weight`` is left out when ``tie_word_embeddings`` is set, after checking it
   equals the embedding.
 * ``prepare_hf`` (the registry entry's ``prepare``) adds what is asked for serving: a LoRA
-  adapter merged in (``reshard.lora``) and FP8 weights (``reshard.quantize``).
+  adapter merged in (``reshard.lora``) and quantized weights (``reshard.quantize``).
 
 ``load_config`` reads ``--config`` (a file, a folder or a Hub repo id) for key maps too.
 """
@@ -247,11 +247,12 @@ def prepare_hf(catalog: Catalog, opts: ConvertOptions, keep: DtypeKeep) -> tuple
         from reshard.lora import merged
 
         catalog = merged(catalog, opts.merge_lora)
-    if opts.quantize is not None:  # FP8 values and scales, computed as they stream (reshard.quantize)
+    if opts.quantize is not None:  # quantized values and their scales, computed as they stream (reshard.quantize)
+        from reshard.dtypes import parse_dtype
         from reshard.plan import DtypeKeep
-        from reshard.quantize import quantized
+        from reshard.quantize.weights import quantized
 
         plain = catalog.tensors
-        catalog = quantized(catalog, opts.quantize, keep)
+        catalog = quantized(catalog, opts.quantize, keep, dtype=parse_dtype(opts.dtype))
         keep = DtypeKeep(keep.patterns, fixed=[n for n, t in catalog.tensors.items() if plain.get(n) is not t])
     return catalog, keep

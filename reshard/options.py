@@ -156,7 +156,7 @@ class ConvertOptions(SourceOptions):
     architecture_check: bool = True  # to="hf": refuse an export that is not the model its config.json describes
     merge_lora: str | os.PathLike | None = None  # to="hf": a PEFT LoRA adapter folder or repo id, merged in
     keep_dtype: str | tuple[str, ...] | list[str] | None = None  # regexes of output names dtype= leaves alone
-    quantize: str | None = None  # to="hf": "fp8" (block-scaled float8_e4m3fn, DeepSeek-V3's format)
+    quantize: str | None = None  # to="hf": a scheme of reshard.quantize.SCHEMES ("fp8", "fp8-dynamic", "fp8-block", "nvfp4")
     max_memory: str | int = "1GiB"  # the budget for tensor data in flight
     max_shard_size: str | int | None = None  # largest output file (safetensors, hf, zarr)
     compress: bool = False  # zstd zarr chunks
@@ -187,6 +187,10 @@ class ConvertOptions(SourceOptions):
         elif self.keep_per_rank:
             raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'mesh=')} "
                              "(per-rank state is kept as is otherwise)")
+        if self.quantize is not None:  # before anything is read
+            from reshard.quantize.registry import scheme_named
+
+            scheme_named(self.quantize)
         if self.keep_dtype and self.dtype is None and self.quantize is None:
             raise UsageError(f"{option('--keep-dtype', 'keep_dtype=')} applies with {option('--dtype', 'dtype=')} "
                              f"or {option('--quantize', 'quantize=')} (nothing is cast otherwise)")

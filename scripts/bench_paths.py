@@ -21,6 +21,9 @@ sources, with its peak RSS above a bare ``import torch`` set against its target:
     ``--to hf --config``;
   - a DeepSeek-style FP8 folder (``scripts/make_fp8_ckpt.py``) dequantized with ``--to hf
     --dtype bfloat16``;
+  - ``--quantize fp8-dynamic``: the HF export of the benchmark model (the ``--merge-lora`` row's
+    base, float32) written as compressed-tensors FP8_DYNAMIC, beside llm-compressor's
+    ``model_free_ptq`` on the same folder (its venv: scripts/peer_venvs.sh);
   - ``--merge-lora``: the benchmark model exported to an HF folder once, and a PEFT-format
     LoRA adapter (r=16 on every q/v/gate projection) merged into it with ``--to hf`` at a
     budget of a quarter of the model (the serving issue's acceptance 1: a model 4x the budget).
@@ -86,6 +89,11 @@ ZARR_READ = "reshard zarr(zstd) -> safetensors"
 MOE = "reshard MoE -> hf"
 FP8 = "reshard fp8 -> hf bf16"
 MERGE_LORA = "reshard --merge-lora -> hf"
+QUANTIZE = "reshard --quantize fp8-dynamic -> hf"
+MODEL_FREE_PTQ = "llm-compressor quantize (model_free_ptq)"
+# llm-compressor pins transformers <= 5.17: its venv is scripts/peer_venvs.sh's (the row says so when absent)
+LLMC_PYTHON = Path(os.environ.get("RESHARD_LLMCOMPRESSOR_PYTHON",
+                                  Path.home() / ".cache" / "reshard-compat" / "llmc" / "bin" / "python"))
 LORA_RANK = 16
 TORCH_CAST = "torch load, cast, dcp.save"
 TORCH_MOE = "torch load, to_hf, hf save"
@@ -432,7 +440,32 @@ def path_rows(src: Sources) -> list[PathRow]:
 
         return Command(argv, out / "config.json", sources=(base, adapter), check=check)
 
-    i15, i14, i18, i33 = "issue 15", "issue 14", "issue 18", "issue 33"
+    def quantize_check(out: Path, base: Path) -> Callable[[], str | None]:
+        size = _size_check(out, base, 0.2, 0.7)  # float32 -> float8 linear weights; embeddings and head as they are
+
+        def check() -> str | None:
+            qc = json.loads((out / "config.json").read_text()).get("quantization_config", {})
+            return size() or (None if qc.get("format") == "float-quantized" else "config.json says no FP8_DYNAMIC")
+
+        return check
+
+    def quantize(c: Context) -> Command:
+        base, out = src.lora / "base", c.scratch / "quantized_hf"
+        return Command(reshard(c, base, out, "--to", "hf", "--quantize", "fp8-dynamic"), out / "config.json",
+                       sources=(base,), check=quantize_check(out, base))
+
+    def model_free_ptq(c: Context) -> Command:
+        base, out = src.lora / "base", c.scratch / "model_free_ptq_hf"
+        if not LLMC_PYTHON.exists():
+            argv = [c.python, "-c", f"raise SystemExit('llm-compressor venv absent ({LLMC_PYTHON}): "
+                                    "bash scripts/peer_venvs.sh llmcompressor')"]
+        else:  # the same ignore list reshard writes for this model
+            argv = [str(LLMC_PYTHON), "-c", "import sys\nfrom llmcompressor import model_free_ptq\n"
+                    "model_free_ptq(sys.argv[1], sys.argv[2], scheme='FP8_DYNAMIC', "
+                    "ignore=['lm_head', 'model.embed_tokens'], device='cpu')", str(base), str(out)]
+        return Command(argv, out / "config.json", sources=(base,), check=quantize_check(out, base))
+
+    i15, i14, i18, i33, i40 = "issue 15", "issue 14", "issue 18", "issue 33", "issue 40"
     return [
         PathRow(Row(IMPORT_TORCH, lambda c: Command([c.python, "-c", "import torch"], sources=())), (), None,
                 "baseline"),
@@ -451,12 +484,14 @@ def path_rows(src: Sources) -> list[PathRow]:
         PathRow(Row(MERGE_LORA, merge_lora, required=True), ("lora",), "budget",
                 f"{i33} acc. 1: LoRA merge, model 4x the budget",
                 budget_mib=lambda: lora_budget_mib(src.lora / "base")),
+        PathRow(Row(QUANTIZE, quantize, required=True), ("lora",), "budget", f"{i40}: compressed-tensors FP8 export"),
+        PathRow(Row(MODEL_FREE_PTQ, model_free_ptq), ("lora",), None, f"peer of {QUANTIZE}"),
     ]
 
 
 # -------------------------------------------------------------------------------- analysis
 
-PEERS = {DTYPE: TORCH_CAST, MOE: TORCH_MOE, FP8: SHARD_DEQUANT}
+PEERS = {DTYPE: TORCH_CAST, MOE: TORCH_MOE, FP8: SHARD_DEQUANT, QUANTIZE: MODEL_FREE_PTQ}
 
 
 def path_checks(summary: Sequence[dict[str, Any]], rows: Sequence[PathRow], budget: float) -> list[dict[str, Any]]:

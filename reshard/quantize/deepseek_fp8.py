@@ -32,62 +32,29 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from reshard import dtypes
 from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.errors import UsageError, option
+from reshard.catalog import Chunk, TensorEntry
+from reshard.errors import UsageError
 from reshard.keymap.chunks import float32_box
+from reshard.quantize.scheme import Weight
 from reshard.regions import BAND_BYTES, Banded
-from reshard.sizes import preview
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SCHEMES", "BLOCK", "FP8_MAX", "quantizes", "scale_name", "quantized"]
+__all__ = ["DeepSeekFp8", "BLOCK", "FP8_MAX", "PARTIAL", "scale_name"]
 
-SCHEMES = ("fp8",)
 BLOCK = 128
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+PARTIAL = f"dims not multiples of {BLOCK}"
 _FP8 = dtypes.by_name("float8_e4m3fn")
 _FLOAT32 = dtypes.by_name("float32")
-# Modules left in the compute dtype, by their last name: embeddings, the output head, norms
-# and MoE router gates (``mlp.gate``, ``router``, ``shared_expert_gate``; never ``gate_proj``).
-_HEADS = ("lm_head", "embed_out")
-_HEAD_WEIGHT = "lm_head.weight"
-_NOT_LINEAR = "modules that are not nn.Linear"
-_PARTIAL = f"dims not multiples of {BLOCK}"
 _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
-
-
-def _excluded(module: str) -> str | None:
-    """Why ``module`` is not quantized whatever its shape, or None."""
-    last = module.rpartition(".")[2].lower()
-    if "embed" in last or last in ("wte", "wpe"):
-        return "embeddings"
-    if last in _HEADS:
-        return "output head"
-    if "norm" in last or last.startswith("ln"):
-        return "norms"
-    if last == "gate" or last.endswith("_gate") or "router" in last:
-        return "router gates"
-    return None
-
-
-def quantizes(name: str, entry: TensorEntry) -> bool:
-    """Whether ``--quantize fp8`` could store ``name`` in FP8: a floating 2-D ``.weight`` of a
-    module that is no embedding, head, norm or router gate (``whole_blocks`` decides the rest)."""
-    return (name.endswith(".weight") and len(entry.shape) == 2 and entry.dtype.is_floating_point
-            and _excluded(name.removesuffix(".weight")) is None)
-
-
-def whole_blocks(entry: TensorEntry) -> bool:
-    """Whether both dims are multiples of 128: only such a weight reads back the same in every
-    reader (module docstring)."""
-    return all(d % BLOCK == 0 for d in entry.shape)
 
 
 def scale_name(name: str) -> str:
@@ -185,64 +152,28 @@ def _modules(names: list[str]) -> list[str]:
     return sorted(out | {m.group(1) for n in names if (m := _EXPERT.match(n))})
 
 
-def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambda name: False) -> Catalog:
-    """``catalog`` (as ``export_catalog`` leaves it, config in attrs) with every weight that
-    ``quantizes`` and ``keep`` does not name stored in FP8 with its scales, and the config's
-    ``quantization_config`` saying so."""
-    if scheme not in SCHEMES:
-        raise UsageError(f"{option('--quantize', 'quantize=')} {scheme!r}: reshard writes {', '.join(SCHEMES)} "
-                         "(DeepSeek-V3's 128x128 block-scaled float8_e4m3fn)")
-    config = catalog.attrs.get("hf_config")
-    if not isinstance(config, dict):
-        raise UsageError(f"{option('--quantize fp8', 'quantize=')} writes its scheme into config.json; "
-                         f"{option('--weights-only', 'weights_only=True')} writes none, so nothing could read the weights")
-    tensors: dict[str, TensorEntry] = {}
-    done: list[str] = []
-    left: dict[str, list[str]] = {}  # why -> names of floating weights left unquantized
-    from reshard.architecture import model_facts
+class DeepSeekFp8:
+    """``--quantize fp8``: the format of the module docstring."""
 
-    facts = model_facts(config)
-    linear = facts.linear if facts else {}  # a module the model lacks (or no model built): by its name alone
-    for name, entry in catalog.tensors.items():
-        module = name.removesuffix(".weight")
-        if not quantizes(name, entry):
-            tensors[name] = entry
-            why = _excluded(module)
-            if why is not None and name.endswith(".weight") and entry.dtype.is_floating_point:
-                left.setdefault(why, []).append(name)
-            continue
-        # transformers' quantizers replace nn.Linear only (GPT-2's Conv1D is not); partial blocks
-        # read back differently in different readers (module docstring)
-        why = ("--keep-dtype" if keep(name) else _NOT_LINEAR if linear.get(module, True) is False
-               else _PARTIAL if not whole_blocks(entry) else None)
-        if why is not None:
-            tensors[name] = entry
-            left.setdefault(why, []).append(name)
-            continue
+    name = "fp8"
+    summary = (f"float8_e4m3fn with float32 weight_scale_inv per {BLOCK}x{BLOCK} block (DeepSeek-V3's format, "
+               "for vLLM, SGLang, transformers)")
+    done = f"float8_e4m3fn with float32 weight_scale_inv per {BLOCK}x{BLOCK} block (from their float32 values)"
+    skipped_key = "modules_to_not_convert"
+    partial_note = (f"their partial {BLOCK}x{BLOCK} blocks are dequantized differently by transformers than by "
+                    "DeepSeek-V3's rule and llama.cpp, so they stay as they are")
+
+    def refuses(self, name: str, shape: tuple[int, ...]) -> str | None:
+        return None if all(d % BLOCK == 0 for d in shape) else PARTIAL
+
+    def tensors(self, weight: Weight) -> dict[str, TensorEntry]:
+        entry = weight.entry
         blocks = _Blocks(entry)
-        tensors[name] = TensorEntry(name, entry.shape, _FP8, [Chunk(full_box(entry.shape), _Values(blocks))])
-        scale = scale_name(name)
-        if scale in catalog.tensors:
-            raise UsageError(f"{catalog.path}: {name} would be quantized, but the checkpoint already holds {scale}")
         grid = blocks.grid
-        tensors[scale] = TensorEntry(scale, grid, _FLOAT32, [Chunk(full_box(grid), _Scales(blocks))])
-        done.append(name)
-    if not done and _PARTIAL not in left:
-        other = (f"; {len(left[_NOT_LINEAR])} 2-D weights belong to modules that are not nn.Linear (such as GPT-2's "
-                 "Conv1D), which transformers' FP8 quantizer leaves alone") if _NOT_LINEAR in left else ""
-        raise UsageError(f"{catalog.path}: {option('--quantize fp8', 'quantize=')} found no nn.Linear weight to "
-                         f"quantize (embeddings, the head, norms and router gates stay as they are{other})")
-    skipped = [n for names in left.values() for n in names]
-    if _HEAD_WEIGHT not in tensors:  # tied to the embeddings (the export wrote it once, as save_pretrained does)
-        skipped.append(_HEAD_WEIGHT)  # transformers' quantizer would otherwise make an FP8 head and want its scale
-    qc: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                          "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": _modules(skipped)}
-    attrs = {**catalog.attrs, "hf_config": {**config, "quantization_config": qc}}
-    kept = "; ".join(f"{why} {len(names)}" for why, names in left.items())
-    if _PARTIAL in left:  # a model whose dims are not multiples of 128 may have no weight left to quantize
-        kept += (f" (their partial {BLOCK}x{BLOCK} blocks are dequantized differently by transformers than by "
-                 "DeepSeek-V3's rule and llama.cpp, so they stay as they are)")
-    notice = (f"quantized {len(done)} linear weights to float8_e4m3fn with float32 weight_scale_inv per {BLOCK}x{BLOCK} "
-              f"block (from their float32 values); left in the compute dtype: {kept or 'none'} "
-              f"(quantization_config.modules_to_not_convert: {preview(qc['modules_to_not_convert'])})")
-    return replace(catalog, tensors=tensors, attrs=attrs, notices=[*catalog.notices, notice])
+        return {weight.name: TensorEntry(weight.name, entry.shape, _FP8, [Chunk(full_box(entry.shape), _Values(blocks))]),
+                scale_name(weight.name): TensorEntry(scale_name(weight.name), grid, _FLOAT32,
+                                                     [Chunk(full_box(grid), _Scales(blocks))])}
+
+    def config(self, skipped: Mapping[str, tuple[int, ...]], quantized: int) -> dict[str, Any]:
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [BLOCK, BLOCK], "modules_to_not_convert": _modules(list(skipped))}
