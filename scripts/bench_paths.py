@@ -21,8 +21,8 @@ sources, with its peak RSS above a bare ``import torch`` set against its target:
     ``--to hf --config``;
   - a DeepSeek-style FP8 folder (``scripts/make_fp8_ckpt.py``) dequantized with ``--to hf
     --dtype bfloat16``;
-  - ``--quantize fp8-dynamic``: the HF export of the benchmark model (the ``--merge-lora`` row's
-    base, float32) written as compressed-tensors FP8_DYNAMIC, beside llm-compressor's
+  - ``--quantize fp8-dynamic``: an HF export of the benchmark model (float32, over 1 GiB at the
+    default size: ``Sources.serving``) written as compressed-tensors FP8_DYNAMIC, beside llm-compressor's
     ``model_free_ptq`` on the same folder (its venv: scripts/peer_venvs.sh);
   - ``--merge-lora``: the benchmark model exported to an HF folder once, and a PEFT-format
     LoRA adapter (r=16 on every q/v/gate projection) merged into it with ``--to hf`` at a
@@ -95,6 +95,8 @@ MODEL_FREE_PTQ = "llm-compressor quantize (model_free_ptq)"
 LLMC_PYTHON = Path(os.environ.get("RESHARD_LLMCOMPRESSOR_PYTHON",
                                   Path.home() / ".cache" / "reshard-compat" / "llmc" / "bin" / "python"))
 LORA_RANK = 16
+DEFAULT_SIZE_MB = 1536  # bench.py's --size-mb default
+SERVING_CKPT_MB = 3200  # a checkpoint whose model is over 1 GiB (the serving issue's benchmark)
 TORCH_CAST = "torch load, cast, dcp.save"
 TORCH_MOE = "torch load, to_hf, hf save"
 SHARD_DEQUANT = "per-shard fp8 dequant"
@@ -120,6 +122,15 @@ class Sources:
     @cached_property
     def fp8(self) -> Path:
         return ensure_fp8_checkpoint(default_fp8_path(self.size_mb), self.size_mb)
+
+    @cached_property
+    def serving(self) -> Path:
+        """The HF folder (float32) the ``--quantize`` rows read: the ``--merge-lora`` base of a
+        benchmark checkpoint large enough that the model alone is over 1 GiB (3200 MiB of
+        checkpoint: 1073 MiB of model), or of ``--size-mb`` when a smaller run is asked."""
+        size = max(self.size_mb, SERVING_CKPT_MB) if self.size_mb >= DEFAULT_SIZE_MB else self.size_mb
+        dcp = self.dcp if self._ckpt is not None or size == self.size_mb else ensure_checkpoint(default_ckpt_path(size), size)
+        return ensure_lora_pair(dcp) / "base"
 
     @cached_property
     def lora(self) -> Path:
@@ -450,12 +461,12 @@ def path_rows(src: Sources) -> list[PathRow]:
         return check
 
     def quantize(c: Context) -> Command:
-        base, out = src.lora / "base", c.scratch / "quantized_hf"
+        base, out = src.serving, c.scratch / "quantized_hf"
         return Command(reshard(c, base, out, "--to", "hf", "--quantize", "fp8-dynamic"), out / "config.json",
                        sources=(base,), check=quantize_check(out, base))
 
     def model_free_ptq(c: Context) -> Command:
-        base, out = src.lora / "base", c.scratch / "model_free_ptq_hf"
+        base, out = src.serving, c.scratch / "model_free_ptq_hf"
         if not LLMC_PYTHON.exists():
             argv = [c.python, "-c", f"raise SystemExit('llm-compressor venv absent ({LLMC_PYTHON}): "
                                     "bash scripts/peer_venvs.sh llmcompressor')"]
@@ -484,8 +495,8 @@ def path_rows(src: Sources) -> list[PathRow]:
         PathRow(Row(MERGE_LORA, merge_lora, required=True), ("lora",), "budget",
                 f"{i33} acc. 1: LoRA merge, model 4x the budget",
                 budget_mib=lambda: lora_budget_mib(src.lora / "base")),
-        PathRow(Row(QUANTIZE, quantize, required=True), ("lora",), "budget", f"{i40}: compressed-tensors FP8 export"),
-        PathRow(Row(MODEL_FREE_PTQ, model_free_ptq), ("lora",), None, f"peer of {QUANTIZE}"),
+        PathRow(Row(QUANTIZE, quantize, required=True), ("serving",), "budget", f"{i40}: compressed-tensors FP8 export"),
+        PathRow(Row(MODEL_FREE_PTQ, model_free_ptq), ("serving",), None, f"peer of {QUANTIZE}"),
     ]
 
 

@@ -22,3 +22,18 @@ def test_every_package_is_listed_in_pyproject() -> None:
     assert setuptools["package-dir"] == {"reshard": "reshard", "reshard.formats": "formats"}
     on_disk = _packages(ROOT / "reshard", "reshard") | _packages(ROOT / "formats", "reshard.formats")
     assert on_disk == listed, {"missing from pyproject": sorted(on_disk - listed), "not on disk": sorted(listed - on_disk)}
+
+
+def test_boto3_is_bounded_by_aiobotocores_botocore_pin() -> None:
+    """The test extras bound boto3 where s3fs's aiobotocore bounds botocore (each boto3 release
+    pins its own botocore, so pip backtracked through every newer boto3 before: 20 downloads on
+    2026-11-28). When aiobotocore moves its pin, move the bound with it."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    ours = next(Requirement(r) for r in extras if Requirement(r).name == "boto3")
+    pin = next(Requirement(r) for r in requires("aiobotocore") or [] if Requirement(r).name == "botocore")
+    upper = [s.version for s in pin.specifier if s.operator == "<"]
+    assert [s.version for s in ours.specifier if s.operator == "<"] == upper, (str(ours), str(pin))
