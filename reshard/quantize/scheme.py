@@ -4,7 +4,7 @@ for each, and the ``quantization_config`` that tells readers so.
 A scheme only describes. Choosing the weights (nn.Linear of the model the config describes,
 not an embedding, head, norm or router gate, not named by ``--keep-dtype``), reading them in
 the dtype the export would hold them in, the notice and the config.json are the driver's
-(``reshard.quantize.quantized``), shared by every scheme. Every tensor a scheme writes is
+(``reshard.quantize.weights.quantized``), shared by every scheme. Every tensor a scheme writes is
 computed for whatever box the engine asks, as the weights stream, so the memory bound holds.
 """
 
