@@ -62,10 +62,10 @@ FOREIGN_SUFFIXES = frozenset({
 # transformers loads it; a folder of per-rank torch files is tried before a single torch file.
 FORMATS: list[FormatEntry] = [
     # Megatron-Core's torch_dist is a DCP folder with metadata.json and common.pt beside it.
-    FormatEntry("megatron", "reshard.formats.megatron:MegatronFormat", "a Megatron-Core torch_dist iter_N folder"),
+    FormatEntry("megatron", "reshard.formats.megatron.format:MegatronFormat", "a Megatron-Core torch_dist iter_N folder"),
     FormatEntry("dcp", "reshard.formats.dcp.format:DCPFormat", "a DCP folder with .metadata", writes=True, remote=True,
                 mesh_writer="dcp", default=True),
-    FormatEntry("accelerate", "reshard.formats.accelerate:AccelerateFormat", "an accelerate save_state folder",
+    FormatEntry("accelerate", "reshard.formats.accelerate.format:AccelerateFormat", "an accelerate save_state folder",
                 model_sections=True),
     FormatEntry("zarr", "reshard.formats.zarr.format:ZarrFormat", "a zarr v3 store with zarr.json", writes=True,
                 suffixes=(".zarr",), default_suffix=".zarr", options=("max_shard_size", "compress"), remote=True,

@@ -98,7 +98,7 @@ CONVENTIONS: tuple[Convention, ...] = (
     # Recorded by the reader of verl's three sets of per-rank files, never guessed.
     Convention("verl", "verl per-rank model_/optim_/extra_state_ files", "model.", "optim.", "index", ("extra.",),
                ("extra.rng*",), detected=False),
-    # Recorded by the reader of accelerate's save_state folders (formats/accelerate.py).
+    # Recorded by the reader of accelerate's save_state folders (formats/accelerate/format.py).
     Convention("accelerate", "accelerate save_state with FSDP SHARDED_STATE_DICT", "model.", "optimizer.", "index",
                ("scheduler.", "sampler."), ("random_states_*",), ("random_states_0",)),
     # Recorded by the DeepSpeed reader (formats/deepspeed/format.py): fp32 master weights at the top
@@ -108,7 +108,7 @@ CONVENTIONS: tuple[Convention, ...] = (
                # One file from a ZeRO run is what zero_to_fp32 writes: the fp32 master weights.
                one_file=("model", "wrote the fp32 master weights only, as DeepSpeed's zero_to_fp32 does; convert to a "
                                   "DCP folder to keep the optimizer state")),
-    # Megatron-Core torch_dist (formats/megatron.py): model keys at the top level, optimizer
+    # Megatron-Core torch_dist (formats/megatron/format.py): model keys at the top level, optimizer
     # state as optimizer.state.<exp_avg|exp_avg_sq|param>.<key>, common.pt's entries beside.
     Convention("megatron", "Megatron-Core torch_dist (iter_N/ with metadata.json, common.pt)", "", "optimizer.",
                "index", ("args.", "rng_state.", "rerun_state_machine.", "opt_param_scheduler.", "checkpoint_version",

@@ -1,5 +1,5 @@
 """The ``torch-ranks`` format: a folder of per-rank torch.save files (``torch.ranks``), or
-verl's three sets of them (``formats/verl.py``), read as one checkpoint; ``rank{r}.pt``
+verl's three sets of them (``formats/torch/verl.py``), read as one checkpoint; ``rank{r}.pt``
 outputs (``torch.ranks_write``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from reshard.formats.torch.ranks import first_refused, one_set, rank_files, read_set, read_trees
 from reshard.formats.torch.ranks_write import TorchRanksWriter
-from reshard.formats.verl import read_verl, verl_sets
+from reshard.formats.torch.verl import read_verl, verl_sets
 
 from reshard.catalog import Catalog
 from reshard.errors import CheckpointNotFoundError, ReshardError, UnsafeCheckpointError
@@ -26,7 +26,7 @@ class TorchRanksFormat:
         return any(len(files) >= 2 for files in rank_files(path).values())
 
     def read(self, path: Path) -> Catalog:
-        """Catalog the folder: one set of rank files, or verl's three (``formats/verl.py``).
+        """Catalog the folder: one set of rank files, or verl's three (``formats/torch/verl.py``).
         Objects are read when asked for; one that names a global nobody allowed is refused
         then, unless the folder cannot be read at all, when that refusal is what is reported."""
         path = Path(path)

@@ -1,0 +1,1 @@
+"""accelerate's ``save_state`` folders: ``format`` reads them."""

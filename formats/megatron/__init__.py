@@ -1,0 +1,1 @@
+"""Megatron-Core ``torch_dist`` checkpoints: ``format`` reads them."""
