@@ -2,15 +2,21 @@
 
 Two ways a piece gets its bytes:
 
-* Kernel copy. When every source part of a piece is a contiguous byte range both in its
+* Stored runs. When every source part of a piece is a contiguous byte range both in its
   source file and in the piece, and no cast is needed (the usual dim-0 shards), the bytes
-  move with ``os.copy_file_range`` as ``cp`` does: no user-space buffer, no page-cache
-  pages charged to our RSS. The thread that schedules locates each piece's sources (reading
-  record headers) while the workers copy, and gathers the copies of consecutive pieces into
-  one file as one job (``_KernelRuns``), where runs adjacent in both files become one copy.
-  One worker at a time writes a file this way: ext4 (like most file systems) serializes
-  writes to one file on its inode lock, and a second writer spins on it in the kernel
-  (measured: 13% of a 2-worker run's CPU samples in ``rwsem_spin_on_owner``).
+  move as they are stored. The thread that schedules locates each piece's sources (reading
+  record headers) while the workers copy, and gathers the runs of consecutive pieces into
+  one file as one job (``_KernelRuns``), where runs adjacent in both files become one. A
+  large run whose offsets in both files are page-aligned is copied by the kernel
+  (``os.copy_file_range``, as ``cp`` does: no user-space buffer, and a file system that
+  shares extents clones it); the others are read into the worker's buffer, many runs to a
+  buffer, and written from it with one ``pwrite`` per stretch without a gap
+  (``_copy_steps``). The kernel copies a run whose offsets sit at different places in a
+  page slowly, and a buffer lets two workers share one output file: one reads while the
+  other writes (numbers at ``_RUN_BUFFER``). Writes into one file, and kernel copies, hold
+  the file's lock: ext4 (like most file systems) serializes writes to one file on its inode
+  lock, and a second writer spins on it in the kernel (measured: 13% of a 2-worker run's CPU
+  samples in ``rwsem_spin_on_owner``).
 * Slabs. Otherwise the piece is cut into C-order slabs small enough that every worker's
   slab plus the source reads behind it stay inside ``max_memory``; each slab is assembled
   from its sources (cast on the way) and written at its offset. A tensor larger than the
@@ -18,8 +24,9 @@ Two ways a piece gets its bytes:
   buffer it keeps, and stored runs are read straight into it.
 
 Pieces are independent, so a thread pool overlaps reads, casts and writes (all release the
-GIL): casts and writes into several files gain from more workers, kernel copies into one file
-do not (docs/benchmarks.md has the measurements behind the default). Progress is counted in
+GIL): casts and writes into several files gain from more workers, and so do stored runs into
+one file, one worker reading while another writes (docs/benchmarks.md has the measurements
+behind the default). Progress is counted in
 bytes (``reshard.progress``: a bar on a terminal, a line every 10 s in a log).
 
 Every output goes through this one loop (``_schedule``) and one budget rule
@@ -55,7 +62,7 @@ from reshard.manifest import FileDigest, file_digest
 from reshard.pieces import OutputFile, Piece
 from reshard.plan import Plan, Source
 from reshard.progress import Progress
-from reshard.regions import StoredRegion, as_region, read_exact
+from reshard.regions import StoredRegion, as_region, read_exact, read_into
 from reshard.sinks import FolderSink, Sink, SinkFile
 from reshard.sizes import format_size
 from reshard.storage import RemotePath
@@ -69,16 +76,22 @@ _kernel_copy_works = hasattr(os, "copy_file_range")
 
 @dataclass
 class EngineStats:
+    """Bytes moved each way: ``kernel_bytes`` as they are stored (stored runs: no slab
+    assembled, no cast), by ``copy_file_range`` or, ``run_buffer_bytes`` of them, read into a
+    worker's buffer and written from it (``_copy_steps``); ``buffered_bytes`` in slabs."""
+
     kernel_bytes: int = 0
     buffered_bytes: int = 0
+    run_buffer_bytes: int = 0
     digests: dict[str, FileDigest] = field(default_factory=dict)  # relpath -> size and SHA-256, when asked
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, *, kernel: int = 0, buffered: int = 0) -> None:
+    def add(self, *, kernel: int = 0, buffered: int = 0, run_buffer: int = 0) -> None:
         """Workers report from several threads; ``+=`` on a field is not atomic."""
         with self._lock:
             self.kernel_bytes += kernel
             self.buffered_bytes += buffered
+            self.run_buffer_bytes += run_buffer
 
 
 def _kernel_copy(src_fd: int, src_off: int, dst_fd: int, dst_off: int, n: int, src_path: Path) -> None:
@@ -180,8 +193,8 @@ _Run = tuple[Path, int, int, int]  # (source file, offset there, offset in the o
 
 @dataclass
 class _KernelRuns:
-    """Kernel copies into the local file ``relpath`` for ``pieces`` pieces, as one job: their
-    runs, and the file's lock (held while they are copied: one writer per file)."""
+    """Stored runs into the local file ``relpath`` for ``pieces`` pieces, as one job: their
+    runs, and the file's lock (held for each write and kernel copy: one writer per file)."""
 
     relpath: str
     lock: threading.Lock
@@ -205,6 +218,57 @@ class _KernelRuns:
             else:
                 out.append((path, src, dst, n))
         return out
+
+
+@dataclass(frozen=True)
+class _Buffered:
+    """Runs read into a worker's buffer and written from it: ``reads`` (source file, offset
+    there, offset in the buffer, bytes) and ``writes`` (offset in the output file, offset in
+    the buffer, bytes), one write per stretch of the file the runs fill without a gap."""
+
+    reads: list[tuple[Path, int, int, int]]
+    writes: list[tuple[int, int, int]]
+    nbytes: int
+
+
+def _kernel_copies_well(src_off: int, dst_off: int, n: int) -> bool:
+    """Whether the kernel copies this run: a run of ``_KERNEL_MIN`` or more whose offsets are
+    page-aligned in both files. A file system that shares extents (XFS, btrfs) then clones
+    it instead of copying, and on ext4 the kernel copies it page against page, about as fast
+    as one worker reads and writes it (two overlapping their reads and writes are a third
+    faster: numbers at ``_RUN_BUFFER``), with no memory. Smaller aligned runs join their
+    neighbours' writes instead of a copy each."""
+    return _kernel_copy_works and n >= _KERNEL_MIN and src_off % _PAGE == 0 and dst_off % _PAGE == 0
+
+
+def _copy_steps(runs: list[_Run], buffer: int) -> Iterator[_Run | _Buffered]:
+    """``runs`` (file order, as ``_KernelRuns.merged`` gives them) as the steps that copy them:
+    a run the kernel copies well, alone, or runs gathered into a buffer of up to ``buffer``
+    bytes (a run longer than what is left is split across buffers). ``buffer`` 0: every run
+    is a kernel copy."""
+    reads: list[tuple[Path, int, int, int]] = []
+    writes: list[tuple[int, int, int]] = []
+    used = 0
+    for path, src, dst, n in runs:
+        if not buffer or _kernel_copies_well(src, dst, n):
+            if reads:
+                yield _Buffered(reads, writes, used)
+                reads, writes, used = [], [], 0
+            yield path, src, dst, n
+            continue
+        while n:
+            take = min(n, buffer - used)
+            reads.append((path, src, used, take))
+            if writes and writes[-1][0] + writes[-1][2] == dst:
+                writes[-1] = (writes[-1][0], writes[-1][1], writes[-1][2] + take)
+            else:
+                writes.append((dst, used, take))
+            used, src, dst, n = used + take, src + take, dst + take, n - take
+            if used == buffer:
+                yield _Buffered(reads, writes, used)
+                reads, writes, used = [], [], 0
+    if reads:
+        yield _Buffered(reads, writes, used)
 
 
 Job = gather.Window | _RowGroup | tuple[str, int, Piece] | _WholeFile | _KernelRuns
@@ -257,9 +321,22 @@ _DECODE_COPIES = 3  # compressed bytes, decoded chunk, and the kept copy slabs a
 _WINDOW_SHARE = 4
 _WINDOW_MAX = 8 << 20
 _JOBS_IN_FLIGHT = 4  # per worker: enough queued that no worker waits for the next job
-# Kernel copies into one file gathered into one job (``_KernelRuns``) up to this many bytes:
-# a few lock handovers per GiB, while the first copy starts after a few dozen pieces located.
+# Stored runs into one file gathered into one job (``_KernelRuns``) up to this many bytes: the
+# first copy starts after a few dozen pieces located.
 _KERNEL_BATCH = 64 << 20
+# A worker's buffer for stored runs (``_copy_steps``), at most its share of the budget; below
+# ``_RUN_BUFFER_MIN`` of a share the runs are all kernel copies, which need no memory. Measured
+# on the 2-core VM (2026-11-28, medians of 6 alternating runs): the 900 runs of the benchmark's
+# DCP -> safetensors (1.5 GB, 1 KiB to 10 MiB each, no offset page-aligned in either file)
+# replayed into one file took 0.63 s by copy_file_range; read into a 4 MiB buffer and written
+# (``sinks._WRITE_STEP`` at a time) 0.49 s on one thread and 0.35 s on two, one reading while
+# the other writes (buffers of 2 and 8 MiB: 0.36 s). One 403 MB run: by the kernel 0.13 s
+# page-aligned, 0.16 s not; read and written 0.12 s on one thread, 0.08-0.09 s on two.
+_RUN_BUFFER = 4 << 20
+_RUN_BUFFER_MIN = 64 << 10
+# A run at least this large, page-aligned in both files, stays a kernel copy (``_kernel_copies_well``).
+_KERNEL_MIN = 1 << 20
+_PAGE = 4096
 
 
 # An object store answers each request after tens of milliseconds whatever its size: reading
@@ -320,6 +397,7 @@ class Engine:
         self.desc = desc
         self._stop = threading.Event()
         self._active_workers, self._slab_memory = self.workers, max_memory
+        self._run_buffer = 0  # a worker's buffer for stored runs (``_copy_steps``), set by ``run``
         self._scratch = _Scratch()
         self._torch_ready = False
 
@@ -406,13 +484,31 @@ class Engine:
         out.written(offset, piece.nbytes)
 
     def _copy_runs(self, job: _KernelRuns, sink: Sink, fds: FdPool, stats: EngineStats, bar: Progress) -> None:
-        """A ``_KernelRuns`` job: its runs copied by the kernel, holding its file's lock."""
-        with job.lock, sink.file(job.relpath) as out:
+        """A ``_KernelRuns`` job, step by step (``_copy_steps``): a run the kernel copies well
+        by the kernel; the others read into this worker's buffer, then written. The file's
+        lock is held for each write and kernel copy, not for the reads, so one worker reads
+        while another writes."""
+        with sink.file(job.relpath) as out:
             assert out.fd is not None  # a random-access sink's files are local
-            for path, src_off, dst_off, n in job.merged():
+            for step in _copy_steps(job.merged(), self._run_buffer):
                 if self._stop.is_set():
                     return
-                with fds.use(path) as src_fd:
+                if isinstance(step, _Buffered):
+                    # the ignore: numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
+                    buf = memoryview(self._scratch.take(step.nbytes))  # type: ignore[arg-type]
+                    for path, src_off, at, n in step.reads:
+                        with fds.use(path) as src_fd:
+                            read_into(src_fd, buf[at:at + n], src_off, path)
+                    with job.lock:
+                        for dst_off, at, n in step.writes:
+                            out.write_at(dst_off, buf[at:at + n])
+                    for dst_off, _, n in step.writes:
+                        out.written(dst_off, n)
+                    stats.add(kernel=step.nbytes, run_buffer=step.nbytes)
+                    bar.update(step.nbytes)
+                    continue
+                path, src_off, dst_off, n = step
+                with job.lock, fds.use(path) as src_fd:
                     _kernel_copy(src_fd, src_off, out.fd, dst_off, n, path)
                 out.written(dst_off, n)
                 stats.add(kernel=n)
@@ -605,6 +701,9 @@ class Engine:
         sink = out if not isinstance(out, Path) else FolderSink(out, output_is_dir, fsync=self.fsync)
         workers, self._slab_memory = self._workers_for(plan, sink)
         self._active_workers = workers
+        # In the worker's scratch, within its share of the budget (as its slabs are).
+        share = self._slab_memory // workers
+        self._run_buffer = min(_RUN_BUFFER, share) if share >= _RUN_BUFFER_MIN else 0
         stats, fds = EngineStats(), self.reads or FdPool(os.O_RDONLY)
         digests = digests and sink.is_dir and sink.random_access
         hashing = ThreadPoolExecutor(self.workers) if digests else None

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from reshard.boxes import Box, full_box
@@ -244,15 +245,25 @@ def test_column_shards_of_one_tensor_read_their_rows_once(tmp_path: Path, monkey
         assert sum(read) <= 1.6 * t.numel() * 4, (dtype, sum(read) / (t.numel() * 4))
 
 
-def test_adjacent_runs_are_one_kernel_copy(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("way", ["kernel", "buffer"])
+def test_adjacent_runs_are_one_copy(tmp_path: Path, monkeypatch, way: str) -> None:
     """Runs that follow each other both in their source file and in the output (two chunks of a
-    tensor stored back to back, two tensors likewise) are one copy_file_range; a run after a
-    gap in either file is a copy of its own."""
+    tensor stored back to back, two tensors likewise) are one copy_file_range, or one read into
+    a worker's buffer; a run after a gap in either file is a copy (a read) of its own. Through
+    the buffer, runs that fill the output without a gap are one write."""
     import reshard.engine as engine
+    import reshard.sinks as sinks
 
     copies: list[int] = []
-    real = engine._kernel_copy
-    monkeypatch.setattr(engine, "_kernel_copy", lambda s, so, d, do, n, p: copies.append(n) or real(s, so, d, do, n, p))
+    reads: list[int] = []
+    writes: list[tuple[int, int]] = []
+    real_copy, real_read, real_write = engine._kernel_copy, engine.read_into, sinks._LocalFile.write_at
+    monkeypatch.setattr(engine, "_kernel_copy", lambda s, so, d, do, n, p: copies.append(n) or real_copy(s, so, d, do, n, p))
+    monkeypatch.setattr(engine, "read_into", lambda fd, view, off, p: reads.append(len(view)) or real_read(fd, view, off, p))
+    monkeypatch.setattr(sinks._LocalFile, "write_at",
+                        lambda f, off, data: writes.append((off, len(data))) or real_write(f, off, data))
+    if way == "kernel":  # no room in the budget for a buffer: every run is a kernel copy
+        monkeypatch.setattr(engine, "_RUN_BUFFER_MIN", 1 << 40)
     a, b = torch.randn(6, 4), torch.randn(3, 4)
     src = tmp_path / "src.bin"
     src.write_bytes(b"HDR" + a.numpy().tobytes() + b.numpy().tobytes() + b"GAP" + b.numpy().tobytes())
@@ -269,7 +280,57 @@ def test_adjacent_runs_are_one_kernel_copy(tmp_path: Path, monkeypatch) -> None:
     out.mkdir()
     stats = Engine(1 << 20, workers=2, progress=False).run(make_plan(cat, [OutputFile("f.bin", [b"H", *pieces])]), out, True)
     assert (out / "f.bin").read_bytes() == b"H" + a.numpy().tobytes() + b.numpy().tobytes() * 2
-    assert sorted(copies) == [48, 144] and stats.kernel_bytes == 192  # a and b in one copy; c after the gap
+    assert stats.kernel_bytes == 192 and stats.buffered_bytes == 0
+    if way == "kernel":
+        assert sorted(copies) == [48, 144] and stats.run_buffer_bytes == 0  # a and b in one copy; c after the gap
+    else:
+        assert copies == [] and sorted(reads) == [48, 144] and stats.run_buffer_bytes == 192
+        assert writes == [(0, 1), (1, 192)]  # the literal, then the three tensors in one write
+
+
+def test_copy_steps_gather_runs_into_buffers_and_leave_aligned_ones_to_the_kernel() -> None:
+    """How a file's runs are cut: misaligned runs gathered into buffers (a long one split across
+    two), a write per stretch without a gap; a large run page-aligned in both files alone, for
+    the kernel."""
+    from reshard.engine import _KERNEL_MIN, _Buffered, _copy_steps
+
+    a, b = Path("a"), Path("b")
+    big = _KERNEL_MIN
+    runs = [(a, 3, 100, 50), (b, 7, 150, 30), (a, 900, 200, 120),  # 100..180 without a gap, then 200..320
+            (b, 4096, 8192, big),  # aligned and large: the kernel's
+            (a, 5, 8192 + big, 10)]
+    steps = list(_copy_steps(runs, 100))
+    assert steps == [
+        _Buffered([(a, 3, 0, 50), (b, 7, 50, 30), (a, 900, 80, 20)], [(100, 0, 80), (200, 80, 20)], 100),
+        _Buffered([(a, 920, 0, 100)], [(220, 0, 100)], 100),
+        (b, 4096, 8192, big),
+        _Buffered([(a, 5, 0, 10)], [(8192 + big, 0, 10)], 10),
+    ]
+    assert list(_copy_steps(runs, 0)) == runs  # no buffer: every run a kernel copy
+    assert list(_copy_steps([(b, 4096, 8192, big - 1)], 1 << 20))[0] == _Buffered([(b, 4096, 0, big - 1)],
+                                                                                [(8192, 0, big - 1)], big - 1)
+
+
+def test_run_buffer_is_within_each_workers_share_of_the_budget(tmp_path: Path, monkeypatch) -> None:
+    """A worker's buffer for stored runs is its scratch, at most its share of ``max_memory``;
+    with too small a share there is none and the kernel copies every run."""
+    import reshard.engine as engine
+
+    taken: list[int] = []
+    real_take = engine._Scratch.take
+    monkeypatch.setattr(engine._Scratch, "take", lambda self, n: taken.append(n) or real_take(self, n))
+    t = torch.randn(300, 256)  # 300 KiB in 3 shards, every offset 7 bytes past a page
+    cat = _sharded_catalog(tmp_path, t, [100, 100, 100])
+    for budget, workers in ((1 << 20, 2), (1 << 20, 4), (64 << 10, 2)):
+        out = tmp_path / f"out{budget}-{workers}"
+        out.mkdir()
+        taken.clear()
+        stats = Engine(budget, workers=workers, progress=False).run(
+            make_plan(cat, [OutputFile("f.bin", [b"HEADER", Piece("w", full_box(t.shape), t.dtype), b"TAIL"])]), out, True)
+        assert (out / "f.bin").read_bytes() == b"HEADER" + t.numpy().tobytes() + b"TAIL"
+        assert stats.kernel_bytes == t.numel() * 4
+        assert max(taken, default=0) <= budget // workers, (budget, workers, taken)
+        assert stats.run_buffer_bytes == (t.numel() * 4 if budget // workers >= engine._RUN_BUFFER_MIN else 0)
 
 
 def test_files_are_not_reopened_per_record_and_one_worker_writes_a_file(tmp_path: Path, monkeypatch) -> None:
@@ -277,8 +338,8 @@ def test_files_are_not_reopened_per_record_and_one_worker_writes_a_file(tmp_path
     conversion, planning and copying alike (convert's read descriptors, which the
     engine copies through), however many records are located in it (each is its own torch.save
     archive, whose headers a reader opens the file to parse), the output once; and no two workers
-    copy into the output at once (they would only queue on its inode lock, the second one
-    spinning in the kernel)."""
+    write or copy into the output at once (they would only queue on its inode lock, the second
+    one spinning in the kernel), whichever way its runs go."""
     import os
     import threading
 
@@ -286,6 +347,7 @@ def test_files_are_not_reopened_per_record_and_one_worker_writes_a_file(tmp_path
 
     import reshard
     import reshard.engine as engine
+    import reshard.sinks as sinks
 
     state = {f"layer{i}.w": torch.randn(16, 8) for i in range(12)}
     dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
@@ -295,27 +357,38 @@ def test_files_are_not_reopened_per_record_and_one_worker_writes_a_file(tmp_path
     busy: dict[int, int] = {}
     most = [0]
     lock = threading.Lock()
-    real_copy = engine._kernel_copy
 
-    def copy(src_fd, src_off, dst_fd, dst_off, n, path):  # type: ignore[no-untyped-def]
+    def alone(dst_fd: int, write):  # type: ignore[no-untyped-def]
         with lock:
             busy[dst_fd] = busy.get(dst_fd, 0) + 1
             most[0] = max(most[0], busy[dst_fd])
         try:
             threading.Event().wait(0.002)  # long enough for another worker to come in
-            return real_copy(src_fd, src_off, dst_fd, dst_off, n, path)
+            return write()
         finally:
             with lock:
                 busy[dst_fd] -= 1
 
-    monkeypatch.setattr(engine, "_kernel_copy", copy)
+    real_copy, real_write = engine._kernel_copy, sinks._LocalFile.write_at
+    copied: list[int] = []
+    monkeypatch.setattr(engine, "_kernel_copy", lambda src_fd, src_off, dst_fd, dst_off, n, path: copied.append(n) or alone(
+        dst_fd, lambda: real_copy(src_fd, src_off, dst_fd, dst_off, n, path)))
+    monkeypatch.setattr(sinks._LocalFile, "write_at", lambda f, off, data: alone(f.fd, lambda: real_write(f, off, data)))
     monkeypatch.setattr(engine, "_KERNEL_BATCH", 1)  # a job per piece: four workers have all the chance to collide
-    result = reshard.convert(tmp_path / "ckpt", tmp_path / "out.safetensors", workers=4, quiet=True)
-    assert result.kernel_bytes == 12 * 16 * 8 * 4 and most[0] == 1
-    data = [p for p in opened if p.endswith(".distcp")]
-    assert data == [str(tmp_path / "ckpt" / "__0_0.distcp")], data  # (.metadata is read whole, by Path.read_bytes)
-    made = [p for p in opened if ".out.safetensors.reshard-tmp" in p]
-    assert len(made) == 1, made
-    from safetensors.torch import load_file
+    for way in ("buffer", "kernel"):
+        if way == "kernel":  # no room for a buffer: every run a kernel copy
+            monkeypatch.setattr(engine, "_RUN_BUFFER_MIN", 1 << 40)
+        opened.clear()
+        copied.clear()
+        most[0] = 0
+        out = tmp_path / f"{way}.safetensors"
+        result = reshard.convert(tmp_path / "ckpt", out, workers=4, quiet=True)
+        assert result.kernel_bytes == 12 * 16 * 8 * 4 and most[0] == 1, way
+        assert sum(copied) == (result.kernel_bytes if way == "kernel" else 0), way
+        data = [p for p in opened if p.endswith(".distcp")]
+        assert data == [str(tmp_path / "ckpt" / "__0_0.distcp")], data  # (.metadata is read whole, by Path.read_bytes)
+        made = [p for p in opened if f".{way}.safetensors.reshard-tmp" in p]
+        assert len(made) == 1, made
+        from safetensors.torch import load_file
 
-    assert all(torch.equal(load_file(tmp_path / "out.safetensors")[n], t) for n, t in state.items())
+        assert all(torch.equal(load_file(out)[n], t) for n, t in state.items())
