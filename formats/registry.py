@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from reshard.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
-from reshard.storage import RemotePath
+from reshard.core.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
+from reshard.core.storage import RemotePath
 
 if TYPE_CHECKING:
-    from reshard.protocol import Format
+    from reshard.pipeline.protocol import Format
 
 __all__ = ["FormatEntry", "FORMATS", "register_format", "get_format", "detect_format", "write_names",
            "format_for_destination", "default_suffix", "taking", "format_options", "remote_holds", "remote_writes",
@@ -37,7 +37,7 @@ class FormatEntry:
     suffixes: tuple[str, ...] = ()  # a destination whose name ends so is this format
     default_suffix: str = ""  # of a default output name, for single-file outputs
     options: tuple[str, ...] = ()  # the format-specific ``ConvertOptions`` its writer uses
-    # read from (and, when it writes, written to) fsspec URLs: ``reshard.storage``, ``reshard.sinks.RemoteSink``
+    # read from (and, when it writes, written to) fsspec URLs: ``reshard.core.storage``, ``reshard.pipeline.sinks.RemoteSink``
     remote: bool = False
     mesh_writer: str | None = None  # the format that writes this one laid out for a mesh; None: whole tensors only
     file_output: bool = False  # one file, unless a mesh or shards are asked (then a folder)
@@ -86,7 +86,7 @@ FORMATS: list[FormatEntry] = [
     # A write target only (an HF model folder); HF folders are detected as safetensors.
     FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True,
                 options=("max_shard_size", "hf_assets", "weights_only", "architecture_check", "merge_lora", "quantize"),
-                remote=True, prepare="reshard.export:prepare_hf"),
+                remote=True, prepare="reshard.features.hf_export:prepare_hf"),
 ]
 _cache: dict[str, Format] = {}
 
@@ -168,7 +168,7 @@ def detect_format(path: Path | RemotePath) -> Format:
     for entry in list(FORMATS):
         fmt = get_format(entry.name)
         try:
-            found = fmt.detect(cast(Path, path))  # a RemotePath stands in for a Path (reshard.storage)
+            found = fmt.detect(cast(Path, path))  # a RemotePath stands in for a Path (reshard.core.storage)
         except (TypeError, OSError):  # a reader that needs a local file (open(), mmap) cannot look at a URL
             if not remote:
                 raise

@@ -10,7 +10,7 @@ for inf or NaN; a few single-key tagged objects keep each such value exact:
 - ``{"__float__": "inf" | "-inf" | "nan"}``, and any other NaN (a payload, a sign bit) as its
   64 bits, ``{"__float__": "0xfff8000000000123"}``. Finite floats are JSON numbers, which
   Python writes and reads back bit for bit (``-0.0`` included);
-- ``{"__dtype__": "bfloat16"}``: a torch dtype, read back as ``reshard.dtypes.DType``.
+- ``{"__dtype__": "bfloat16"}``: a torch dtype, read back as ``reshard.core.dtypes.DType``.
 
 Anything else is refused (``Unencodable``), never written as something close: subclasses
 (an OrderedDict, a Counter or an IntEnum would come back as their base type), sets, complex
@@ -25,7 +25,7 @@ import re
 import struct
 from typing import Any
 
-from reshard import dtypes
+from reshard.core import dtypes
 
 __all__ = ["Unencodable", "encode_value", "decode_value"]
 

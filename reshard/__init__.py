@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
-from reshard.errors import ReshardError
+from reshard.core.errors import ReshardError
 
 if TYPE_CHECKING:
-    from reshard.catalog import Catalog
-    from reshard.convert import ConvertResult, convert
-    from reshard.hub import PushResult, push
-    from reshard.options import ConvertOptions, LoadOptions, SourceOptions
+    from reshard.commands.convert import ConvertResult, convert
+    from reshard.commands.verify import VerifyResult, verify
+    from reshard.core.catalog import Catalog
+    from reshard.features.hub import PushResult, push
+    from reshard.pipeline.options import ConvertOptions, LoadOptions, SourceOptions
     from reshard.runtime.load import LoadResult, load_model, load_state_dict
     from reshard.safe_pickle.unpickler import allow_classes
-    from reshard.verify import VerifyResult, verify
 
 __all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "SourceOptions",
            "ConvertOptions", "LoadOptions", "ConvertResult", "VerifyResult", "PushResult", "LoadResult", "ReshardError",
@@ -36,12 +34,13 @@ __version__ = "0.2.0"
 
 # name -> the module that defines it (imported when the name is first used).
 _LAZY = {
-    "convert": "reshard.convert", "ConvertResult": "reshard.convert", "ConvertOptions": "reshard.options",
-    "SourceOptions": "reshard.options", "LoadOptions": "reshard.options",
-    "verify": "reshard.verify", "VerifyResult": "reshard.verify",
-    "push": "reshard.hub", "PushResult": "reshard.hub",
+    "convert": "reshard.commands.convert", "ConvertResult": "reshard.commands.convert",
+    "ConvertOptions": "reshard.pipeline.options",
+    "SourceOptions": "reshard.pipeline.options", "LoadOptions": "reshard.pipeline.options",
+    "verify": "reshard.commands.verify", "VerifyResult": "reshard.commands.verify",
+    "push": "reshard.features.hub", "PushResult": "reshard.features.hub",
     "load_model": "reshard.runtime.load", "load_state_dict": "reshard.runtime.load", "LoadResult": "reshard.runtime.load",
-    "Catalog": "reshard.catalog",
+    "Catalog": "reshard.core.catalog",
     "allow_classes": "reshard.safe_pickle.unpickler",
 }
 
@@ -51,9 +50,9 @@ def inspect(path: str | os.PathLike, *, layout: str | None = None, storage_optio
     """The catalog of checkpoint ``path`` (a path, a zarr URL, or a Hub repo id as ``convert``
     takes them): every tensor's shape, dtype and chunks, and the objects. Reads metadata only,
     never tensor data, and does not import torch: a tensor's ``dtype`` is a
-    ``reshard.dtypes.DType`` (torch's name and width; ``.torch`` gives torch's dtype).
+    ``reshard.core.dtypes.DType`` (torch's name and width; ``.torch`` gives torch's dtype).
     ``layout`` names the tool whose conventions the checkpoint follows when detection gets it
-    wrong (``reshard.conventions``); ``storage_options`` are fsspec arguments for a URL.
+    wrong (``reshard.core.conventions``); ``storage_options`` are fsspec arguments for a URL.
     ``source_options`` (a ``SourceOptions``) gives these and the rest of how a source is read
     as one value: ``allow_classes`` also holds for the catalog's objects read later, ``config``
     says what model it is, and ``keymap`` shows the names it renames them to.
@@ -62,20 +61,20 @@ def inspect(path: str | os.PathLike, *, layout: str | None = None, storage_optio
     >>> cat                      # a one-screen summary; print(cat.table()) for every tensor
     >>> cat.tensors["model.embed.weight"].dtype.torch is torch.bfloat16
     """
-    from reshard.options import SourceOptions
-    from reshard.report import CatalogReport
-    from reshard.sources import given_config, given_layout, read_catalog
+    from reshard.commands.inspect import CatalogReport
+    from reshard.pipeline.options import SourceOptions
+    from reshard.sources.reading import given_config, given_layout, read_catalog
 
     given = {k: v for k, v in (("layout", layout), ("storage_options", storage_options)) if v is not None}
     opts = SourceOptions.of(given, source_options)
     with opts.allowing():
         catalog = given_config(given_layout(read_catalog(path, opts), opts.layout), opts.config)
         if opts.keymap is not None:
-            from reshard.keymap.lookup import load_keymap
+            from reshard.features.keymap.lookup import load_keymap
 
             catalog = load_keymap(opts.keymap).apply(catalog)
     if opts.allow_classes:  # objects are read when first asked for: the allowance goes with them
-        from reshard.catalog import ObjectTable
+        from reshard.core.catalog import ObjectTable
 
         catalog.objects = ObjectTable({name: _allowing(opts, catalog.objects, name) for name in catalog.objects})
     return CatalogReport.of(catalog)
@@ -99,17 +98,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
-
-
-class _Package(types.ModuleType):
-    """``reshard.convert`` and ``reshard.verify`` are functions that live in modules of the same
-    name; importing such a module would make Python bind the module over the function on the
-    package. The module stays reachable as ``sys.modules["reshard.convert"]``."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f"{__name__}.{name}":
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

@@ -1,3 +1,3 @@
-from reshard.cli import entry
+from reshard.cli.app import entry
 
 entry()

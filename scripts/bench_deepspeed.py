@@ -167,7 +167,7 @@ def same_tensors(a: Path, b: Path) -> str | None:
 def run(*, hidden: int = 768, layers: int = 8, vocab: int = 32000, repeats: int = 1, max_memory: str = "256MiB",
         ds_python: str = DEFAULT_DS_PYTHON, ckpt: Path | None = None) -> dict[str, Any]:
     """Make (once) the checkpoint, measure every row, compare outputs; returns the report."""
-    from reshard.sizes import parse_size
+    from reshard.core.sizes import parse_size
 
     tag = ensure_checkpoint(ckpt or checkpoint_path(hidden, layers), hidden, layers, vocab, ds_python)
     nbytes = warm_read(tag)

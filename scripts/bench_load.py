@@ -220,7 +220,7 @@ def _load_delta(r: dict[str, Any]) -> float | None:
 
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, ckpt_bytes: int) -> list[str]:
-    from reshard.sizes import parse_size
+    from reshard.core.sizes import parse_size
 
     base = {r["rank"]: r["peak_rss_bytes"] for r in results.get(BASELINE, [])}
     lines = [f"{'row':<28} {'rank':>4} {'wall s':>7} {'peak MiB':>9} {'above base':>10} {'shard MiB':>9} "

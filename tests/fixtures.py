@@ -1,4 +1,4 @@
-"""Real checkpoints for tests come from reshard.example (written by torch itself); one helper
+"""Real checkpoints for tests come from reshard.cli.example (written by torch itself); one helper
 reads a catalog entry back whole, through its chunks' own reads."""
 
 import pickle
@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from reshard.boxes import full_box
-from reshard.catalog import TensorEntry
-from reshard.example import TinyNet, full_reference, save_fsdp2_dcp
+from reshard.cli.example import TinyNet, full_reference, save_fsdp2_dcp
+from reshard.core.boxes import full_box
+from reshard.core.catalog import TensorEntry
 
 __all__ = ["TinyNet", "save_fsdp2_dcp", "full_reference", "full_tensor", "save_editing_refs", "onto",
            "torch_reading_of_retyped"]

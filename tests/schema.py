@@ -1,4 +1,4 @@
-"""Every --json output is checked against reshard/cli_schema.json, the documented schema 1."""
+"""Every --json output is checked against reshard/cli/schema.json, the documented schema 1."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import jsonschema
 
-SCHEMA = json.loads((Path(__file__).parents[1] / "reshard" / "cli_schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).parents[1] / "reshard" / "cli" / "schema.json").read_text())
 
 
 def check(doc: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""An export is the model its config.json describes (reshard.architecture), decided as
+"""An export is the model its config.json describes (reshard.features.architecture), decided as
 transformers' own ``from_pretrained`` decides it: refused by ``convert --to hf``, ``push`` and
 ``verify --quick`` when it is not, written anyway only when asked, and said when it cannot be
 checked."""
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reshard
-from reshard.architecture import ArchitectureMismatchError, check_architecture
+from reshard.features.architecture import ArchitectureMismatchError, check_architecture
 from tests.hf_models import save_tiny_llama
 from tests.quant_models import save_fp8_deepseek, save_mxfp4_gpt_oss
 from tests.test_cli import assert_one_line_error
@@ -148,7 +148,7 @@ def test_shapes_leftovers_and_dtypes_are_named(llama: Path, tmp_path: Path) -> N
 def replace_dtype(entry: object, name: str) -> object:
     from dataclasses import replace
 
-    from reshard.dtypes import by_name
+    from reshard.core.dtypes import by_name
 
     return replace(entry, dtype=by_name(name))
 

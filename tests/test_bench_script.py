@@ -190,7 +190,7 @@ def test_meta_ckpt_cached(scripts: Path, tmp_path: Path) -> None:
 def test_moe_names_are_torchtitan_qwen3(scripts: Path) -> None:
     from make_moe_ckpt import moe_config, moe_shapes, solve_moe_dims, total_bytes
 
-    from reshard.keymap.lookup import PRESETS
+    from reshard.features.keymap.lookup import PRESETS
 
     qwen3 = PRESETS["titan-to-hf"]().families["qwen3"]
     for size_mb in (16, 1536):

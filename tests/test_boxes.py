@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from reshard.boxes import Box, c_order_slabs, contiguous_range, full_box, tiles_exactly
+from reshard.core.boxes import Box, c_order_slabs, contiguous_range, full_box, tiles_exactly
 
 
 def test_intersect_and_shift() -> None:
@@ -72,7 +72,7 @@ def test_tiling_suspects_flags_every_tensor_tiles_columns_rejects() -> None:
 
     import numpy as np
 
-    from reshard.boxes import tiles_columns, tiling_suspects
+    from reshard.core.boxes import tiles_columns, tiling_suspects
 
     rng = random.Random(0)
     flagged_good = 0

@@ -1,4 +1,4 @@
-"""The column path for many small pieces (``reshard.byte_runs``, ``reshard.gather``, the DCP
+"""The column path for many small pieces (``reshard.pipeline.byte_runs``, ``reshard.pipeline.gather``, the DCP
 record locator) against the piece-by-piece path it stands in for.
 
 * Planning, property-style: random tensors (0-3 dims, sizes down to 0, several dtypes) saved
@@ -25,16 +25,17 @@ import pytest
 from reshard.formats.dcp.format import DCPWriter
 from reshard.formats.safetensors.format import SafetensorsWriter
 
-from reshard import byte_runs, dtypes, gather
-from reshard.boxes import Box, contiguous_range
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.engine import Engine
-from reshard.mesh.placements import load_placement_plan
-from reshard.mesh.sharding import parse_mesh
-from reshard.mesh.target import mesh_target
-from reshard.pieces import Piece
-from reshard.plan import full_target, make_plan, sources_for
-from reshard.regions import StoredRegion, as_region, c_strides
+from reshard.core import dtypes
+from reshard.core.boxes import Box, contiguous_range
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.pieces import Piece
+from reshard.core.regions import StoredRegion, as_region, c_strides
+from reshard.core.sharding import parse_mesh
+from reshard.pipeline import byte_runs, gather
+from reshard.pipeline.engine import Engine
+from reshard.pipeline.mesh_target import mesh_target
+from reshard.pipeline.placements import load_placement_plan
+from reshard.pipeline.plan import full_target, make_plan, sources_for
 from tests.dist import run_world
 
 _DTYPES = ["float32", "bfloat16", "int64", "uint8"]
@@ -285,7 +286,7 @@ def test_records_are_located_in_bulk_as_one_by_one(moe_dcp: Path, tmp_path: Path
     from reshard.formats.dcp.index import load_dcp_index
 
     import reshard
-    from reshard.errors import CorruptCheckpointError
+    from reshard.core.errors import CorruptCheckpointError
 
     catalog = DCPFormat().read(moe_dcp)
     entries = list(catalog.tensors.values())

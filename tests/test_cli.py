@@ -21,7 +21,7 @@ def reshard(*args: str | Path) -> subprocess.CompletedProcess:
     import contextlib
     import io
 
-    from reshard.cli import main
+    from reshard.cli.app import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -67,7 +67,7 @@ def test_convert_then_verify_exit_codes(fsdp2_dcp, tmp_path: Path) -> None:
     # Flip one element of the copy: verify must say which tensor differs and exit 1.
     from reshard.formats.dcp.format import DCPFormat
 
-    from reshard.regions import as_region
+    from reshard.core.regions import as_region
 
     region = as_region(DCPFormat().read(out).tensors["model.proj.weight"].chunks[0].data)
     with open(region.path, "r+b") as f:
@@ -119,10 +119,10 @@ def test_piped_help_keeps_every_example_line_whole() -> None:
 
     import typer
 
-    from reshard.cli import app
+    from reshard.cli.app import app
 
     commands = typer.main.get_command(app).commands
-    code = "import sys\nfrom reshard.cli import main\nfor c in sys.argv[1:]:\n    main([c, '--help'])\n    print('\\0')"
+    code = "import sys\nfrom reshard.cli.app import main\nfor c in sys.argv[1:]:\n    main([c, '--help'])\n    print('\\0')"
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "TERMINAL_WIDTH")}
     proc = subprocess.run([sys.executable, "-c", code, *commands], capture_output=True, text=True, timeout=HANG_GUARD, env=env)
     assert proc.returncode == 0, proc.stderr

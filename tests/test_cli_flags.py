@@ -1,4 +1,4 @@
-"""The command line's flags come from one table (reshard/cli_flags.py), and the table says only
+"""The command line's flags come from one table (reshard/cli/flags.py), and the table says only
 what is true: each row gives a field of its command's options or a parameter of the function
 the command calls, once per command; convert exposes every ConvertOptions field it has a flag
 for, with the options' own defaults; and no command defines an option outside the table."""
@@ -12,9 +12,9 @@ from typing import Any
 
 import typer
 
-from reshard.cli import app
-from reshard.cli_flags import CLI_ONLY, FLAGS, TARGETS, Flag, flags_of
-from reshard.options import ConvertOptions
+from reshard.cli.app import app
+from reshard.cli.flags import CLI_ONLY, FLAGS, TARGETS, Flag, flags_of
+from reshard.pipeline.options import ConvertOptions
 
 NOT_ON_THE_COMMAND_LINE = {"workers"}  # ConvertOptions fields only the API sets
 
@@ -46,7 +46,8 @@ def test_every_flag_gives_an_option_its_command_takes_once() -> None:
     assert problems(FLAGS) == []
     # The rule can fail: a flag that maps to no field, or one given twice.
     stray = Flag("max_memroy", ("--max-memroy",), str, "typo", ("convert",))
-    assert problems(FLAGS + (stray,)) == ["convert --max-memroy: max_memroy is not an option of reshard.options:ConvertOptions"]
+    assert problems(FLAGS + (stray,)) == [
+        "convert --max-memroy: max_memroy is not an option of reshard.pipeline.options:ConvertOptions"]
     twice = Flag("dtype", ("--cast",), str, "again", ("convert",))
     assert problems(FLAGS + (twice,)) == ["convert: field dtype twice"]
 

@@ -1,4 +1,4 @@
-"""One JSON object per command, versioned (schema 1) and valid against reshard/cli_schema.json;
+"""One JSON object per command, versioned (schema 1) and valid against reshard/cli/schema.json;
 and the CLI basics a first hour trips over: --version, examples in every --help, usage lines,
 no torch import for help."""
 
@@ -68,12 +68,12 @@ def test_version_help_examples_and_usage_lines() -> None:
 
 
 def test_help_and_usage_errors_do_not_import_torch() -> None:
-    code = ("import sys\nfrom reshard.cli import main\nrc = main(sys.argv[1:])\n"
+    code = ("import sys\nfrom reshard.cli.app import main\nrc = main(sys.argv[1:])\n"
             "print('torch' in sys.modules, rc)")
     for argv in (["--help"], ["convert", "--help"], ["convert", "--bogus"], ["verify"]):
         proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=HANG_GUARD)
         assert proc.stdout.strip().splitlines()[-1].startswith("False"), (argv, proc.stdout[-200:])
-    bare = "import sys, reshard, reshard.options, reshard.formats.registry; print('torch' in sys.modules)"
+    bare = "import sys, reshard, reshard.pipeline.options, reshard.formats.registry; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", bare], capture_output=True, text=True, timeout=HANG_GUARD)
     assert proc.stdout.strip() == "False", proc.stderr[-500:]
 
@@ -88,7 +88,7 @@ def test_byte_paths_do_not_import_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Pa
     from safetensors.torch import load_file
 
     src = fsdp2_dcp[0]
-    code = ("import sys\nfrom reshard.cli import main\nrc = main(sys.argv[1:])\n"
+    code = ("import sys\nfrom reshard.cli.app import main\nrc = main(sys.argv[1:])\n"
             "print('torch' in sys.modules, rc)")
     commands = [
         ["inspect", src], ["inspect", src, "--json"],
@@ -144,7 +144,7 @@ def test_compact_json_writes_chunk_columns_exactly_as_json_would(tmp_path: Path)
     import torch
 
     import reshard
-    from reshard.report import catalog_json, compact_json
+    from reshard.commands.inspect import catalog_json, compact_json
 
     state = {"w": torch.zeros(7, 3), 'odd "name",[]': torch.zeros(5), "scalar": torch.tensor(2.0),
              "empty": torch.zeros(0, 4)}

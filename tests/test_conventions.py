@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.catalog import Catalog, TensorEntry
-from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, PER_RANK, detect_layout, layout_notices, rename_path
-from reshard.errors import UsageError
+from reshard.core.catalog import Catalog, TensorEntry
+from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, PER_RANK, detect_layout, layout_notices, rename_path
+from reshard.core.errors import UsageError
 
 
 def _catalog(tensors: list[str], objects: list[str] = (), nested: bool = False, **attrs) -> Catalog:
@@ -148,7 +148,7 @@ def test_two_equal_explanations_are_refused_with_the_candidates() -> None:
     """{model, ema} with no optimizer: "model." is a section, or every tensor is a parameter;
     nothing decides, so detection refuses and names --layout; with it (or when the layout does
     not change the result) it goes on."""
-    from reshard.conventions import AmbiguousLayoutError
+    from reshard.core.conventions import AmbiguousLayoutError
 
     cat = _shaped({**{f"model.{n}": s for n, s in PARAMS.items()}, **{f"ema.{n}": s for n, s in PARAMS.items()}})
     with pytest.raises(AmbiguousLayoutError) as e:
@@ -209,7 +209,7 @@ def test_a_checkpoint_torch_saved_is_named_after_torch_and_counted_in_tensors(tm
     not a parameter), and ``--dtype`` names that same layout when it casts the model section."""
     from safetensors.torch import load_file
 
-    from reshard.cli import main
+    from reshard.cli.app import main
 
     model = _saved_by_torch(tmp_path / "ckpt")
     assert main(["inspect", str(tmp_path / "ckpt")]) == 0
@@ -234,8 +234,8 @@ def test_one_of_a_thing_is_said_in_the_singular(tmp_path: Path, capsys) -> None:
     """``1 tensor``, never ``1 tensors``: in the HF export's notices and the summary line."""
     from safetensors.torch import load_file
 
-    from reshard.cli import main
-    from reshard.sizes import plural
+    from reshard.cli.app import main
+    from reshard.core.sizes import plural
 
     assert (plural(0, "tensor"), plural(1, "tensor"), plural(2, "file")) == ("0 tensors", "1 tensor", "2 files")
     _saved_by_torch(tmp_path / "ckpt", extra={"scale": torch.tensor([1.5, 2.5])})
@@ -252,9 +252,9 @@ def test_a_conversion_detects_the_layout_once(monkeypatch) -> None:
     they were (notices added by ``dataclasses.replace``): the answer is carried, not
     recomputed (at 100k tensors a detection costs seconds); a step that changes the tables
     (``exclude``) is detected anew."""
-    from reshard import conventions
-    from reshard.convert import build_target
-    from reshard.options import ConvertOptions
+    from reshard.commands.convert import build_target
+    from reshard.core import conventions
+    from reshard.pipeline.options import ConvertOptions
 
     calls = []
     real = conventions._detect

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import reshard
-from reshard.errors import UsageError
+from reshard.core.errors import UsageError
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -155,7 +155,7 @@ def test_dtype_casts_moments_and_keeps_every_other_optimizer_value(tmp_path: Pat
     torch's own DCP reader."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from reshard.cli import main
+    from reshard.cli.app import main
 
     model, paths = _optimizer_checkpoints(tmp_path, make)
     params = dict(model.named_parameters())
@@ -241,7 +241,7 @@ def test_surprising_outputs_and_options_are_one_line_errors(fsdp2_dcp, tmp_path:
 
 def test_errors_name_options_the_way_the_caller_gives_them(fsdp2_dcp, tmp_path: Path) -> None:
     """From Python the advice is ``overwrite=True``, from the shell ``--overwrite``."""
-    from reshard.errors import OutputExistsError
+    from reshard.core.errors import OutputExistsError
     from tests.test_cli import assert_one_line_error
     from tests.test_cli import reshard as run_cli
 
@@ -257,7 +257,7 @@ def test_errors_name_options_the_way_the_caller_gives_them(fsdp2_dcp, tmp_path: 
 
 
 def test_results_print_on_one_screen(fsdp2_dcp, tmp_path: Path) -> None:
-    from reshard.example import TinyNet
+    from reshard.cli.example import TinyNet
 
     result = reshard.convert(fsdp2_dcp[0], tmp_path / "out", mesh="3", quiet=True)
     text = repr(result)
@@ -282,7 +282,7 @@ def test_a_library_call_never_starts_a_process_group(fsdp2_dcp, tmp_path: Path, 
 def test_options_as_one_value_or_keywords(fsdp2_dcp, tmp_path: Path) -> None:
     """``ConvertOptions`` is what the CLI builds; keyword arguments override its fields, and a
     misspelt one is a usage error naming the real ones."""
-    from reshard.options import ConvertOptions
+    from reshard.pipeline.options import ConvertOptions
 
     opts = ConvertOptions(only="model", dtype="bfloat16", quiet=True)
     result = reshard.convert(fsdp2_dcp[0], tmp_path / "m.safetensors", opts)
@@ -341,7 +341,7 @@ def test_a_taken_output_fails_before_the_source_is_read(tmp_path: Path, monkeypa
     writes nothing) still runs."""
     import importlib
 
-    from reshard.errors import OutputExistsError
+    from reshard.core.errors import OutputExistsError
     from tests.test_cli import reshard as cli
 
     src = tmp_path / "m.safetensors"
@@ -350,7 +350,7 @@ def test_a_taken_output_fails_before_the_source_is_read(tmp_path: Path, monkeypa
     save_file({"w": torch.ones(2, 3)}, src)
     taken = tmp_path / "out.pt"
     taken.write_bytes(b"mine")
-    module = importlib.import_module("reshard.convert")
+    module = importlib.import_module("reshard.commands.convert")
     read = module.resolve_source
 
     def never_read(*args, **kwargs):

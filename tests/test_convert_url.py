@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import reshard
-from reshard.cli import main
-from reshard.errors import ReshardError
+from reshard.cli.app import main
+from reshard.core.errors import ReshardError
 
 fsspec = pytest.importorskip("fsspec")
 

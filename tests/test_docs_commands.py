@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.cli import main
+from reshard.cli.app import main
 from tests.dist import HANG_GUARD
 
 ROOT = Path(__file__).resolve().parent.parent

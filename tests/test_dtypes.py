@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from reshard import dtypes
-from reshard.dtypes import DTYPES, dtype_name, parse_dtype
-from reshard.errors import UnsupportedFormatError, UsageError
-from reshard.torch_support import release
+from reshard.core import dtypes
+from reshard.core.dtypes import DTYPES, dtype_name, parse_dtype
+from reshard.core.errors import UnsupportedFormatError, UsageError
+from reshard.core.torch_support import release
 
 
 def test_names_and_aliases() -> None:

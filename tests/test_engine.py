@@ -5,12 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.engine import Engine
-from reshard.pieces import OutputFile, Piece
-from reshard.plan import full_target, make_plan
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.pieces import OutputFile, Piece
+from reshard.core.regions import StoredRegion
+from reshard.pipeline.engine import Engine
+from reshard.pipeline.plan import full_target, make_plan
 from tests.dist import HANG_GUARD
 
 
@@ -117,7 +117,7 @@ def test_fd_pool_closes_idle_files_only() -> None:
     import os
     import tempfile
 
-    from reshard.fd_pool import FdPool
+    from reshard.core.fd_pool import FdPool
 
     with tempfile.TemporaryDirectory() as d:
         paths = [Path(d) / f"f{i}" for i in range(5)]
@@ -141,8 +141,8 @@ def test_fd_pool_lends_its_descriptors_to_readers_of_its_threads_only(tmp_path: 
     import os
     import threading
 
-    from reshard.fd_pool import FdPool
-    from reshard.storage import close, open_read
+    from reshard.core.fd_pool import FdPool
+    from reshard.core.storage import close, open_read
 
     path = tmp_path / "f"
     path.write_bytes(b"xyz")
@@ -169,7 +169,7 @@ def test_slabs_are_read_into_each_workers_reused_buffer(tmp_path: Path, monkeypa
     pages are faulted in and zeroed by the kernel each time): slabs that cross shard
     boundaries, column pieces of one tensor, and pieces of several sizes in one run (the
     buffer grows) are all exact without one fresh-buffer read."""
-    import reshard.regions as regions
+    import reshard.core.regions as regions
 
     fresh: list[int] = []
     real_read = regions._read_array
@@ -194,8 +194,8 @@ def test_slabs_are_read_into_each_workers_reused_buffer(tmp_path: Path, monkeypa
 def test_a_cast_reads_its_source_in_small_bands(tmp_path: Path, monkeypatch) -> None:
     """A cast slab is read a band at a time (reads stay below the mmap threshold, so they
     reuse heap memory instead of fresh pages) and is exact whether bands cut rows or not."""
-    import reshard.assemble as assemble_module
-    import reshard.regions as regions
+    import reshard.core.regions as regions
+    import reshard.pipeline.assemble as assemble_module
 
     reads: list[int] = []
     real_read = regions._read_into
@@ -217,7 +217,7 @@ def test_column_shards_of_one_tensor_read_their_rows_once(tmp_path: Path, monkey
     """Column pieces that share their rows, in several files (a Shard(1) target: uneven, with
     an empty shard) or twice in one, are written exactly, with and without a cast, while each
     stored byte is read about once: alone, every piece would read whole rows for its columns."""
-    import reshard.regions as regions
+    import reshard.core.regions as regions
 
     read: list[int] = []
     real_read = regions._read_into
@@ -251,8 +251,8 @@ def test_adjacent_runs_are_one_copy(tmp_path: Path, monkeypatch, way: str) -> No
     tensor stored back to back, two tensors likewise) are one copy_file_range, or one read into
     a worker's buffer; a run after a gap in either file is a copy (a read) of its own. Through
     the buffer, runs that fill the output without a gap are one write."""
-    import reshard.engine as engine
-    import reshard.sinks as sinks
+    import reshard.pipeline.engine as engine
+    import reshard.pipeline.sinks as sinks
 
     copies: list[int] = []
     reads: list[int] = []
@@ -292,7 +292,7 @@ def test_copy_steps_gather_runs_into_buffers_and_leave_aligned_ones_to_the_kerne
     """How a file's runs are cut: misaligned runs gathered into buffers (a long one split across
     two), a write per stretch without a gap; a large run page-aligned in both files alone, for
     the kernel."""
-    from reshard.engine import _KERNEL_MIN, _Buffered, _copy_steps
+    from reshard.pipeline.engine import _KERNEL_MIN, _Buffered, _copy_steps
 
     a, b = Path("a"), Path("b")
     big = _KERNEL_MIN
@@ -314,7 +314,7 @@ def test_copy_steps_gather_runs_into_buffers_and_leave_aligned_ones_to_the_kerne
 def test_run_buffer_is_within_each_workers_share_of_the_budget(tmp_path: Path, monkeypatch) -> None:
     """A worker's buffer for stored runs is its scratch, at most its share of ``max_memory``;
     with too small a share there is none and the kernel copies every run."""
-    import reshard.engine as engine
+    import reshard.pipeline.engine as engine
 
     taken: list[int] = []
     real_take = engine._Scratch.take
@@ -346,8 +346,8 @@ def test_files_are_not_reopened_per_record_and_one_worker_writes_a_file(tmp_path
     import torch.distributed.checkpoint as dcp
 
     import reshard
-    import reshard.engine as engine
-    import reshard.sinks as sinks
+    import reshard.pipeline.engine as engine
+    import reshard.pipeline.sinks as sinks
 
     state = {f"layer{i}.w": torch.randn(16, 8) for i in range(12)}
     dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import reshard.engine
-from reshard.errors import OutputExistsError
-from reshard.staging import StagedOutput
+import reshard.pipeline.engine
+from reshard.core.errors import OutputExistsError
+from reshard.pipeline.staging import StagedOutput
 from tests.dist import HANG_GUARD
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as cli
@@ -187,7 +187,7 @@ subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(full)], ch
 subprocess.run(["mount", "--bind", str(ro), str(ro)], check=True)
 subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
 import contextlib, io
-from reshard.cli import main
+from reshard.cli.app import main
 out = {}
 for name, dst in (("full", full / "out"), ("ro", ro / "out")):
     err = io.StringIO()
@@ -255,7 +255,7 @@ def test_source_changed_during_conversion(source, tmp_path: Path, monkeypatch) -
     work = tmp_path / "src.pt"
     shutil.copy(src, work)
     dst = tmp_path / "out"
-    real_run = reshard.engine.Engine.run
+    real_run = reshard.pipeline.engine.Engine.run
 
     def rewritten_meanwhile(self, *args, **kwargs):
         stats = real_run(self, *args, **kwargs)
@@ -266,7 +266,7 @@ def test_source_changed_during_conversion(source, tmp_path: Path, monkeypatch) -
         os.utime(work, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         return stats
 
-    monkeypatch.setattr(reshard.engine.Engine, "run", rewritten_meanwhile)
+    monkeypatch.setattr(reshard.pipeline.engine.Engine, "run", rewritten_meanwhile)
     assert_one_line_error(cli(*_convert_args(work, plan, dst)), "src.pt", "changed while it was being converted")
     assert not dst.exists() and _leftovers(dst) == []
 
@@ -274,10 +274,10 @@ def test_source_changed_during_conversion(source, tmp_path: Path, monkeypatch) -
         os.truncate(work, 1 << 20)
         return real_run(self, *args, **kwargs)
 
-    monkeypatch.setattr(reshard.engine.Engine, "run", truncated_meanwhile)
+    monkeypatch.setattr(reshard.pipeline.engine.Engine, "run", truncated_meanwhile)
     assert_one_line_error(cli(*_convert_args(work, plan, dst)), "src.pt", "truncated")
     assert not dst.exists() and _leftovers(dst) == []
-    monkeypatch.setattr(reshard.engine.Engine, "run", real_run)
+    monkeypatch.setattr(reshard.pipeline.engine.Engine, "run", real_run)
     shutil.copy(src, work)
     assert cli(*_convert_args(work, plan, dst)).returncode == 0
     assert _assert_absent_or_complete(work, dst, "rerun") and _digest(src) == digest

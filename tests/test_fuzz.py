@@ -46,9 +46,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import metadata as dcpm
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from reshard.boxes import full_box
-from reshard.errors import ReshardError, UnsafeCheckpointError, UnsupportedFormatError
-from reshard.regions import StoredRegion
+from reshard.core.boxes import full_box
+from reshard.core.errors import ReshardError, UnsafeCheckpointError, UnsupportedFormatError
+from reshard.core.regions import StoredRegion
 
 FUZZ = settings(
     max_examples=int(os.environ.get("RESHARD_FUZZ_EXAMPLES", "200")),

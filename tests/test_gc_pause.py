@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from reshard import gc_pause
+from reshard.core import gc_pause
 
 
 def test_pauses_nest_and_freeze_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.cli import main
+from reshard.cli.app import main
 from tests.dist import HANG_GUARD, run_world
 from tests.hf_models import TOKENS
 
@@ -121,7 +121,7 @@ def test_titan_to_hf_is_not_applied_to_a_model_it_does_not_know(tmp_path: Path, 
     once renamed 1 of 6 tensors on its own."""
     import torch.distributed.checkpoint as dcp
 
-    from reshard.example import TinyNet
+    from reshard.cli.example import TinyNet
 
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters())

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reshard
-import reshard.hub
+import reshard.features.hub
 from tests.dist import HANG_GUARD
 from tests.hf_models import save_tiny_llama
 from tests.test_cli import assert_one_line_error
@@ -149,7 +149,7 @@ def test_push_creates_the_repo_and_uploads_the_folder(folder: Path, hub: type[_R
 
 
 def test_large_folders_use_upload_large_folder(folder: Path, hub: type[_Recorder], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reshard.hub, "LARGE_FOLDER_BYTES", 1)
+    monkeypatch.setattr(reshard.features.hub, "LARGE_FOLDER_BYTES", 1)
     result = reshard.push(folder, "me/tiny")
     assert [c[0] for c in hub.calls][-1] == "upload_large_folder" and result.bytes > 1
 
@@ -173,7 +173,7 @@ def test_push_options_token_pr_include_exclude(folder: Path, hub: type[_Recorder
     assert "create_branch" not in calls and "pull request on me/tiny" in proc.stdout
     dry = run_cli("push", folder, "me/tiny", "--dry-run", "--include", "*.json")
     assert dry.returncode == 0 and all(line.strip().split()[0].endswith(".json") for line in dry.stdout.splitlines()[1:])
-    monkeypatch.setattr(reshard.hub, "HUB_FILE_LIMIT", 1000)
+    monkeypatch.setattr(reshard.features.hub, "HUB_FILE_LIMIT", 1000)
     assert_one_line_error(run_cli("push", folder, "me/tiny", "--dry-run"), "50 GB limit per file", "--max-shard-size 5GB")
 
 

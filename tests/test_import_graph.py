@@ -115,7 +115,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_circles() -> None:
     graph = import_graph()
-    assert len(graph) > 80 and graph["reshard.convert"], "the scan found the package"
+    assert len(graph) > 80 and graph["reshard.commands.convert"], "the scan found the package"
     assert circles(graph) == [], circles(graph)
 
 
@@ -123,8 +123,8 @@ def test_the_scan_sees_a_circle() -> None:
     """Not a rubber stamp: a circle hidden in a function is found."""
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = import_graph()
-    graph["reshard.sizes"].add("reshard.convert")  # sizes is imported (indirectly) by convert
-    assert any("reshard.sizes" in c for c in circles(graph))
+    graph["reshard.core.sizes"].add("reshard.commands.convert")  # sizes is imported (indirectly) by convert
+    assert any("reshard.core.sizes" in c for c in circles(graph))
 
 
 def format_imports_of_core(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
@@ -141,18 +141,18 @@ def test_the_core_reaches_formats_only_through_the_registry() -> None:
 
 
 def test_the_rule_sees_a_core_module_importing_a_format() -> None:
-    assert format_imports_of_core({"reshard.convert": {"reshard.formats.registry", "reshard.formats.hf.format"},
-                                   "reshard.formats.hf.format": {"reshard.catalog", "reshard.formats.safetensors"}}) == [
-        ("reshard.convert", "reshard.formats.hf.format")]
+    assert format_imports_of_core({"reshard.commands.convert": {"reshard.formats.registry", "reshard.formats.hf.format"},
+                                   "reshard.formats.hf.format": {"reshard.core.catalog", "reshard.formats.safetensors"}}) == [
+        ("reshard.commands.convert", "reshard.formats.hf.format")]
     graph = import_graph()
-    graph["reshard.verify"].add("reshard.formats.zarr.meta")
-    assert ("reshard.verify", "reshard.formats.zarr.meta") in format_imports_of_core(graph)
+    graph["reshard.commands.verify"].add("reshard.formats.zarr.meta")
+    assert ("reshard.commands.verify", "reshard.formats.zarr.meta") in format_imports_of_core(graph)
 
 
 # The catalog is the bottom layer: plain data that formats build and every other module reads.
 # It builds on box arithmetic, dtypes and sizes (and the errors they raise), never on what
-# builds on it (meshes, plans, the target an output will hold: reshard/target.py).
-CATALOG_BUILDS_ON = {"reshard.boxes", "reshard.dtypes", "reshard.errors", "reshard.sizes"}
+# builds on it (meshes, plans, the target an output will hold: reshard/core/target.py).
+CATALOG_BUILDS_ON = {"reshard.core.boxes", "reshard.core.dtypes", "reshard.core.errors", "reshard.core.sizes"}
 
 
 def reached(graph: dict[str, set[str]], module: str) -> set[str]:
@@ -170,24 +170,24 @@ def test_the_catalog_imports_nothing_above_it() -> None:
     """Counting annotations: ``Target`` named ``MeshSpec`` under ``TYPE_CHECKING`` when it
     lived in catalog.py, and that was the one upward import in the package."""
     graph = import_graph(annotations=True)
-    assert reached(graph, "reshard.catalog") - CATALOG_BUILDS_ON == set()
-    assert graph["reshard.catalog"] >= {"reshard.boxes", "reshard.dtypes"}  # the scan sees its imports
-    assert "reshard.mesh.sharding" in graph["reshard.target"]
+    assert reached(graph, "reshard.core.catalog") - CATALOG_BUILDS_ON == set()
+    assert graph["reshard.core.catalog"] >= {"reshard.core.boxes", "reshard.core.dtypes"}  # the scan sees its imports
+    assert "reshard.core.sharding" in graph["reshard.core.target"]
 
 
 def test_the_rule_sees_the_catalog_importing_upward() -> None:
     """Not a rubber stamp: an annotation-only import of a mesh, and an upward import reached
     through a module the catalog may import, are both found."""
-    planted = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from reshard.mesh.sharding import MeshSpec\n")
-    catalog = ROOT / "reshard" / "catalog.py"
-    assert "reshard.mesh.sharding" in _imported("reshard.catalog", catalog, planted, annotations=True)
-    assert "reshard.mesh.sharding" not in _imported("reshard.catalog", catalog, planted, annotations=False)
+    planted = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from reshard.core.sharding import MeshSpec\n")
+    catalog = ROOT / "reshard" / "core" / "catalog.py"
+    assert "reshard.core.sharding" in _imported("reshard.core.catalog", catalog, planted, annotations=True)
+    assert "reshard.core.sharding" not in _imported("reshard.core.catalog", catalog, planted, annotations=False)
     graph = import_graph(annotations=True)
-    graph["reshard.catalog"].add("reshard.mesh.sharding")
-    assert reached(graph, "reshard.catalog") - CATALOG_BUILDS_ON == {"reshard.mesh.sharding"}
+    graph["reshard.core.catalog"].add("reshard.core.sharding")
+    assert reached(graph, "reshard.core.catalog") - CATALOG_BUILDS_ON == {"reshard.core.sharding"}
     graph = import_graph(annotations=True)
-    graph["reshard.sizes"].add("reshard.plan")  # plan reaches the mesh, conventions, pieces...
-    assert {"reshard.plan", "reshard.target", "reshard.mesh.sharding"} <= reached(graph, "reshard.catalog")
+    graph["reshard.core.sizes"].add("reshard.pipeline.plan")  # plan reaches the mesh, conventions, pieces...
+    assert {"reshard.pipeline.plan", "reshard.core.target", "reshard.core.sharding"} <= reached(graph, "reshard.core.catalog")
 
 
 def script_graph() -> dict[str, set[str]]:
@@ -221,7 +221,7 @@ def test_convert_names_no_format() -> None:
 
     names = {e.name for e in FORMATS}
     assert len(names) > 8
-    assert _string_constants(ROOT / "reshard" / "convert.py") & names == set()
+    assert _string_constants(ROOT / "reshard" / "commands" / "convert.py") & names == set()
     assert _string_constants(ROOT / "formats" / "registry.py") & names == names  # the scan sees the table's names
 
 
@@ -231,9 +231,75 @@ def print_calls(tree: ast.AST) -> list[int]:
 
 
 def test_the_library_prints_nothing() -> None:
-    """What the library says goes to the ``reshard`` logger (reshard.log); printing is the
+    """What the library says goes to the ``reshard`` logger (reshard.core.log); printing is the
     CLI's job, through typer (and a launch's, through a handler it attaches)."""
     found = {str(path.relative_to(ROOT)): lines for path in _modules().values()
              if (lines := print_calls(ast.parse(path.read_text())))}
     assert found == {}
     assert print_calls(ast.parse("def f():\n    print('x', flush=True)\n")) == [2]  # the scan sees one
+
+
+# The layers, bottom first: a module may import its own layer and those below, never above.
+# ``reshard.formats.registry`` is the seam: the features and everything above ask it what a
+# format can do, and a format (a layer above the features: the HF writer runs the architecture
+# check) is reached only through it. Annotations count: a type named is a dependency too.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("data model", ("reshard.core",)),
+    ("safe unpickling", ("reshard.safe_pickle",)),
+    ("pipeline", ("reshard.pipeline",)),
+    ("format registry", ("reshard.formats.registry",)),
+    ("features", ("reshard.features",)),
+    ("formats", ("reshard.formats",)),
+    ("sources and runtime", ("reshard.sources", "reshard.runtime", "reshard.train")),
+    ("commands", ("reshard.commands",)),
+    ("command line", ("reshard.cli",)),
+    ("public API", ("reshard",)),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` of the longest package prefix that holds ``module``."""
+    best, found = -1, -1
+    for i, (_, packages) in enumerate(LAYERS):
+        for package in packages:
+            if (module == package or module.startswith(package + ".")) and len(package) > best:
+                best, found = len(package), i
+    assert found >= 0, module
+    return found
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {n} ({LAYERS[layer_of(n)][0]})"
+                  for m, names in graph.items() for n in names if layer_of(n) > layer_of(m))
+
+
+def test_every_module_imports_only_its_layer_and_below() -> None:
+    graph = import_graph(annotations=True)
+    assert {layer_of(m) for m in graph} == set(range(len(LAYERS))), "every layer holds modules"
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_rule_sees_an_upward_import() -> None:
+    """Not a rubber stamp: a planted import of a feature by the engine, and one hidden in a
+    function of the data model, are both found."""
+    graph = import_graph(annotations=True)
+    graph["reshard.pipeline.engine"].add("reshard.features.lora")
+    planted = ast.parse("def f():\n    from reshard.commands.convert import convert\n")
+    graph["reshard.core.sizes"] |= set(_imported("reshard.core.sizes", ROOT / "reshard" / "core" / "sizes.py", planted,
+                                                 annotations=True)) & set(graph)
+    assert upward_imports(graph) == [
+        "reshard.core.sizes (data model) -> reshard.commands.convert (commands)",
+        "reshard.pipeline.engine (pipeline) -> reshard.features.lora (features)"]
+
+
+def test_the_root_holds_only_the_api() -> None:
+    """reshard/'s own modules are the package's ``__init__`` (the public API) and ``__main__``;
+    every other module lives in the package of its layer, whose docstring names the layer."""
+    assert sorted(p.name for p in (ROOT / "reshard").glob("*.py")) == ["__init__.py", "__main__.py"]
+    for _, packages in LAYERS[:-1]:
+        for package in packages:
+            if package.startswith("reshard.formats"):
+                continue
+            init = ROOT / package.replace(".", "/") / "__init__.py"
+            doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+            assert "layer" in doc.lower(), f"{init}: its docstring does not name its layer"

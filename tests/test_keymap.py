@@ -15,13 +15,13 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
 import reshard
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.errors import UsageError
-from reshard.keymap.chunks import read_box
-from reshard.keymap.lookup import PRESETS, load_keymap
-from reshard.keymap.maps import Drop
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.chunk_reads import read_box
+from reshard.core.errors import UsageError
+from reshard.core.regions import StoredRegion
+from reshard.features.keymap.lookup import PRESETS, load_keymap
+from reshard.features.keymap.maps import Drop
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
 
@@ -287,7 +287,7 @@ def test_grouped_experts_unstack_to_hf_and_stack_back(tmp_path: Path, era: str) 
 
 
 def test_family_comes_from_the_config_or_the_names() -> None:
-    from reshard.keymap.maps import titan_family
+    from reshard.features.keymap.maps import titan_family
 
     def cat(names: list[str], config: dict | None = None) -> Catalog:
         c = Catalog("dcp", Path("x"))
@@ -305,6 +305,6 @@ def test_family_comes_from_the_config_or_the_names() -> None:
 
 
 def test_the_preset_names_help_lists_are_the_presets() -> None:
-    from reshard.keymap.presets import PRESET_NAMES
+    from reshard.features.keymap.presets import PRESET_NAMES
 
     assert set(PRESET_NAMES) == set(PRESETS)

@@ -14,13 +14,13 @@ import torch
 from safetensors.torch import save_file
 
 import reshard
-from reshard.boxes import full_box
-from reshard.errors import UsageError
-from reshard.keymap.chunks import read_box
-from reshard.keymap.maps import KeyMap, Split
-from reshard.keymap.megatron import MegatronToHF
-from reshard.keymap.patterns import Pattern, Replacement
-from reshard.regions import as_region
+from reshard.core.boxes import full_box
+from reshard.core.chunk_reads import read_box
+from reshard.core.errors import UsageError
+from reshard.core.regions import as_region
+from reshard.features.keymap.maps import KeyMap, Split
+from reshard.features.keymap.megatron import MegatronToHF
+from reshard.features.keymap.patterns import Pattern, Replacement
 
 HEADS, GROUPS, HD, DIM = 6, 2, 4, 5
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard.cli import main
-from reshard.conventions import OPTIM_STATE, PARAM, detect_layout
+from reshard.cli.app import main
+from reshard.core.conventions import OPTIM_STATE, PARAM, detect_layout
 from tests.dist import HANG_GUARD, run_world
 from tests.test_titan_layout import _fsdp, _titan_state
 
@@ -216,8 +216,8 @@ def test_index_keyed_state_in_one_process_and_what_strict_false_reports(tmp_path
     optimizer's order; groups that differ are refused as index-keyed; strict=False lists every
     checkpoint tensor it did not load in ``unexpected``, and a model-only file says it has no
     optimizer state."""
-    from reshard.example import TinyNet
-    from reshard.runtime.plan import StateDictMismatchError
+    from reshard.cli.example import TinyNet
+    from reshard.runtime.load_plan import StateDictMismatchError
 
     torch.manual_seed(0)
     ref = TinyNet()

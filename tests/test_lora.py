@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 import reshard
-from reshard.cli import main
-from reshard.errors import UsageError
+from reshard.cli.app import main
+from reshard.core.errors import UsageError
 from tests.hf_models import hf_logits, peft_merged, save_lora_adapter, save_tiny_llama
 
 TARGETS = ["q_proj", "v_proj", "gate_proj", "embed_tokens"]

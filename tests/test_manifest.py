@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
-from reshard.manifest import MANIFEST_NAME, check_manifest, file_digest, read_manifest, write_manifest
-from reshard.staging import StagedOutput
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from reshard.pipeline.manifest import MANIFEST_NAME, check_manifest, file_digest, read_manifest, write_manifest
+from reshard.pipeline.staging import StagedOutput
 from tests.test_cli import assert_one_line_error, reshard
 
 
@@ -149,7 +149,7 @@ def test_known_digests_are_reused_only_while_the_size_holds(tmp_path: Path) -> N
     """The engine hashes files as it finishes them (on every rank under torchrun); the manifest
     takes those digests as they are (a planted wrong digest shows it was not recomputed)
     unless the file's size changed since."""
-    from reshard.manifest import FileDigest
+    from reshard.pipeline.manifest import FileDigest
 
     (tmp_path / "a.bin").write_bytes(b"a" * 100)
     (tmp_path / "b.bin").write_bytes(b"b" * 50)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 import reshard
-from reshard.mesh.sharding import parse_mesh, parse_placement, rank_coordinate, shard_box
-from reshard.sizes import format_size
+from reshard.core.sharding import parse_mesh, parse_placement, rank_coordinate, shard_box
+from reshard.core.sizes import format_size
 from tests.dist import HANG_GUARD, run_world
 
 # Shapes x placements x meshes DTensor must agree with us on: uneven dims, dims smaller
@@ -190,7 +190,7 @@ def test_torchrun_parallel_output_is_byte_identical(fsdp2_dcp, tmp_path: Path) -
 def test_mesh_parsing_and_refusals(fsdp2_dcp, tmp_path: Path) -> None:
     import pytest
 
-    from reshard.errors import UsageError
+    from reshard.core.errors import UsageError
 
     assert parse_mesh("4x8").shape == (4, 8) and parse_mesh("4x8").names == ("dp_replicate", "dp_shard")
     named = parse_mesh("dp_replicate=4,dp_shard=8")
@@ -234,7 +234,7 @@ def _named_ranks(label: str) -> list[int]:
 def test_inspect_to_mesh_names_the_ranks_of_every_row(fsdp2_dcp, capsys) -> None:
     """Rows of ranks holding the same bytes say which ranks they are, on 2-D meshes too (the
     replicas of an HSDP mesh are not consecutive), as docs/cli.md shows them."""
-    from reshard.cli import main
+    from reshard.cli.app import main
 
     for mesh, world, want in (("4x8", 32, "0-1, 8-9, 16-17, 24-25"), ("16x8", 128, "0-1, 8-9, ..., 120-121 (every 8)"),
                               ("128", 128, "11-127")):

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import reshard
-from reshard.errors import UsageError
-from reshard.options import ConvertOptions
+from reshard.core.errors import UsageError
+from reshard.pipeline.options import ConvertOptions
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
 
@@ -67,7 +67,7 @@ def test_source_and_load_options_refuse_what_the_cli_refuses_when_built(given: d
                                                                          tmp_path: Path) -> None:
     """Built, not when the source is opened: the CLI refuses before it looks for the (missing)
     checkpoint, with the message the API gives, each naming the option its own way."""
-    from reshard.options import LoadOptions, SourceOptions
+    from reshard.pipeline.options import LoadOptions, SourceOptions
 
     kinds = [LoadOptions] if "max_memory" in given else [SourceOptions, LoadOptions, ConvertOptions]
     for kind in kinds:
@@ -88,7 +88,7 @@ def test_load_options_are_checked_once_and_both_loads_share_one_signature() -> N
     LoadOptions' names and defaults, and a bad value is refused when the options are built."""
     import inspect
 
-    from reshard.options import LoadOptions
+    from reshard.pipeline.options import LoadOptions
 
     defaults = {f.name: f.default for f in dataclasses.fields(LoadOptions)}
     for fn in (reshard.load_model, reshard.load_state_dict):
@@ -114,8 +114,8 @@ def test_load_model_and_load_state_dict_take_options(tmp_path: Path) -> None:
     torch's own file."""
     import torch
 
-    from reshard.options import LoadOptions
-    from reshard.runtime.plan import StateDictMismatchError
+    from reshard.pipeline.options import LoadOptions
+    from reshard.runtime.load_plan import StateDictMismatchError
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     saved = {f"_orig_mod.{k}": torch.randn_like(v) for k, v in model.state_dict().items() if k != "1.bias"}
@@ -148,8 +148,8 @@ def test_allowed_classes_hold_for_one_call_only(tmp_path: Path) -> None:
 
     import torch
 
-    from reshard.errors import UnsafeCheckpointError
-    from reshard.options import SourceOptions
+    from reshard.core.errors import UnsafeCheckpointError
+    from reshard.pipeline.options import SourceOptions
     from reshard.safe_pickle.unpickler import allowed_classes, allowing
     from tests.formats.test_torch_save import save_unimportable
 
@@ -182,7 +182,7 @@ def test_inspect_and_verify_take_source_options(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from reshard.options import SourceOptions
+    from reshard.pipeline.options import SourceOptions
 
     tensors = {"_orig_mod.w": torch.arange(6.0).reshape(2, 3)}
     save_file(tensors, tmp_path / "a.safetensors")

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.boxes import Box
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.conventions import detect_layout
-from reshard.errors import UsageError
-from reshard.mesh.placements import assign_placements, load_placement_plan
-from reshard.mesh.sharding import REPLICATE, distinct_boxes, local_boxes, parse_mesh, parse_placement, shard
-from reshard.mesh.target import mesh_target, per_rank_names, uneven_dims
+from reshard.core.boxes import Box
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.conventions import detect_layout
+from reshard.core.errors import UsageError
+from reshard.core.sharding import REPLICATE, distinct_boxes, local_boxes, parse_mesh, parse_placement, shard
+from reshard.pipeline.mesh_target import mesh_target, per_rank_names, uneven_dims
+from reshard.pipeline.placements import assign_placements, load_placement_plan
 
 
 def _layout(shapes: dict[str, tuple[int, ...]]):
@@ -161,7 +161,7 @@ def test_boxes_of_one_holder_are_owned_as_when_placed_one_by_one() -> None:
     tensor, replicated ones (whose owners depend on the load so far) among them."""
     import random
 
-    from reshard.mesh.sharding import mesh_shards
+    from reshard.core.sharding import mesh_shards
 
     rng = random.Random(0)
     for spec, options in (("4", [(shard(0),), (REPLICATE,)]), ("2x3", [(REPLICATE, shard(0)), (shard(0), shard(1)),

@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.boxes import Box
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.errors import UsageError
-from reshard.pieces import OutputFile, Piece
-from reshard.plan import full_target, make_plan
+from reshard.core.boxes import Box
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.errors import UsageError
+from reshard.core.pieces import OutputFile, Piece
+from reshard.pipeline.plan import full_target, make_plan
 
 
 class _Zeros:

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import engine, progress
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.engine import Engine
-from reshard.pieces import OutputFile, Piece
-from reshard.plan import make_plan
-from reshard.progress import Progress
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.pieces import OutputFile, Piece
+from reshard.core.regions import StoredRegion
+from reshard.pipeline import engine, progress
+from reshard.pipeline.engine import Engine
+from reshard.pipeline.plan import make_plan
+from reshard.pipeline.progress import Progress
 
 
 @pytest.fixture
@@ -124,8 +124,8 @@ def test_a_status_line_says_what_the_wait_is_for() -> None:
     off a terminal nothing is printed (a log file needs no transient line)."""
     import io
 
-    from reshard.architecture import check_architecture
-    from reshard.progress import status
+    from reshard.features.architecture import check_architecture
+    from reshard.pipeline.progress import status
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:

@@ -1,4 +1,4 @@
-"""reshard.quant: quantized weights found beside their scales and dequantized box by box,
+"""reshard.features.dequantize: quantized weights found beside their scales and dequantized box by box,
 bit for bit as transformers (and compressed-tensors' documented layout) dequantize them."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import reshard
-from reshard.assemble import assemble
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk, ChunkData, TensorEntry
-from reshard.convert import excluded
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.keymap.chunks import read_box
-from reshard.plan import sources_for
-from reshard.provenance import CONFIG_OBJECT, carry_hf_configs
-from reshard.quant import dequantized, find_quantized, quant_method, unpaired
+from reshard.commands.convert import excluded
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog, Chunk, ChunkData, TensorEntry
+from reshard.core.chunk_reads import read_box
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
+from reshard.features.dequantize import dequantized, find_quantized, quant_method, unpaired
+from reshard.features.provenance import CONFIG_OBJECT, carry_hf_configs
+from reshard.pipeline.assemble import assemble
+from reshard.pipeline.plan import sources_for
 from tests.quant_models import block_reference, fp8_block_quantize, save_fp8_deepseek, save_mxfp4_gpt_oss
 
 GATE = "model.layers.0.mlp.gate_proj.weight"  # 300x200: blocks of 128 leave partial edges
@@ -162,7 +162,7 @@ def test_fp8_dequantized_in_bands_into_the_engines_slab(fp8_dir: Path, monkeypat
     written straight into the slab the engine passes, in its dtype: bands that cut blocks and
     rows give the same bits as one pass, and the slab path (``assemble`` with scratch) the
     same bits as a float32 read cast afterwards."""
-    import reshard.quant as quant
+    import reshard.features.dequantize as quant
 
     entry = dequantized(reshard.inspect(fp8_dir)).tensors[GATE]
     full = whole(entry)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import reshard
-from reshard.cli import main
+from reshard.cli.app import main
 from tests.hf_models import save_lora_adapter
 
 E4M3 = torch.float8_e4m3fn

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from reshard.cli import main
+from reshard.cli.app import main
 
 E4M3 = torch.float8_e4m3fn
 SCHEMES = {"fp8-dynamic": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK", "nvfp4": "NVFP4A16"}

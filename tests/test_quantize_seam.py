@@ -1,5 +1,5 @@
 """Adding a quantization scheme takes one module (tests/toy_scheme.py) and one row in
-reshard/quantize/registry.py: ``--quantize`` takes it, its errors list it, and the driver chooses
+reshard/features/quantize/registry.py: ``--quantize`` takes it, its errors list it, and the driver chooses
 the weights, reads them, writes its tensors under the memory budget and its config."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reshard.cli import main
-from reshard.quantize import registry
+from reshard.cli.app import main
+from reshard.features.quantize import registry
 from tests.hf_models import save_tiny_llama
 from tests.toy_scheme import Int8Row
 

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard import dtypes
-from reshard.boxes import Box
-from reshard.errors import CorruptCheckpointError
-from reshard.regions import StoredRegion
+from reshard.core import dtypes
+from reshard.core.boxes import Box
+from reshard.core.errors import CorruptCheckpointError
+from reshard.core.regions import StoredRegion
 
 
 def _store(tmp_path: Path, t: torch.Tensor, lead: int = 13) -> Path:
@@ -48,7 +48,7 @@ def test_sparse_boxes_are_read_in_bounded_blocks(tmp_path: Path, monkeypatch: py
     """Column shards and corners of a row-major tensor, random in place and size, come back
     exact whether the read may span 1 byte (one run at a time), a few rows, or 64 KiB; and no
     single read spans more than the box allows, so a column shard costs a few row-band reads."""
-    import reshard.regions as regions
+    import reshard.core.regions as regions
 
     monkeypatch.setattr(regions, "_MIN_SPAN", min_span)
     reads: list[int] = []
@@ -75,9 +75,9 @@ def test_parts_stored_as_one_run_are_read_where_they_belong(tmp_path: Path, monk
     """``bytes_of_run`` offers the part of a host tensor a box is, when it is one run of
     memory of the stored dtype; the runtime's ``read_box`` (a send buffer, a CPU parameter)
     then reads rows straight into it, and copies only what cannot be (a column block)."""
-    import reshard.regions as regions
-    from reshard.catalog import Chunk, TensorEntry
-    from reshard.regions import bytes_of_run
+    import reshard.core.regions as regions
+    from reshard.core.catalog import Chunk, TensorEntry
+    from reshard.core.regions import bytes_of_run
     from reshard.runtime.transfer import OpenFiles, read_box
 
     out = torch.zeros(4, 6)

@@ -26,9 +26,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import reshard
-from reshard import sinks
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, OutputExistsError, UnsupportedFormatError, UsageError
-from reshard.verify import verify_manifest
+from reshard.commands.verify import verify_manifest
+from reshard.core.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    OutputExistsError,
+    UnsupportedFormatError,
+    UsageError,
+)
+from reshard.pipeline import sinks
 from tests.dist import HANG_GUARD
 
 fsspec = pytest.importorskip("fsspec")

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard.errors import CheckpointNotFoundError, ReshardError, UsageError
-from reshard.example import TinyNet, full_reference
+from reshard.cli.example import TinyNet, full_reference
+from reshard.core.errors import CheckpointNotFoundError, ReshardError, UsageError
 from reshard.runtime.load import StateDictMismatchError
 from tests.dist import HANG_GUARD, run_world
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.errors import CorruptCheckpointError
-from reshard.runtime.plan import StateDictMismatchError, make_load_plan
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.errors import CorruptCheckpointError
+from reshard.runtime.load_plan import StateDictMismatchError, make_load_plan
 from reshard.runtime.targets import SlotMeta, make_slots, storage_aliases
 
 

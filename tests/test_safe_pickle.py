@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
+from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError
 from reshard.safe_pickle.unpickler import safe_loads
 from tests.dist import HANG_GUARD
 
@@ -70,8 +70,8 @@ def test_common_values_are_built_as_their_own_types() -> None:
 
     import numpy as np
 
+    from reshard.core.values import difference
     from reshard.safe_pickle.value_types import VALUE_GLOBALS
-    from reshard.values import difference
 
     rs = np.random.RandomState(3)
     rs.randn(5)
@@ -229,7 +229,7 @@ def test_allowed_classes_are_inert_and_pickle_back_under_their_names() -> None:
 
 
 def test_code_execution_primitives_cannot_be_allowed() -> None:
-    from reshard.errors import UsageError
+    from reshard.core.errors import UsageError
     from reshard.safe_pickle.unpickler import allow_classes, refusal_message
 
     for name in ("os.system", "posix.system", "builtins.eval", "subprocess.Popen", "torch.load", "importlib.import_module"):

@@ -1,6 +1,6 @@
 """One engine behind every output: local folders, object-store uploads and zarr stores (raw or
 compressed) are scheduled by the same function and written through the sink interface
-(``reshard.sinks``), every byte of every data file accounted for there, and each output read
+(``reshard.pipeline.sinks``), every byte of every data file accounted for there, and each output read
 back by the outside library that reads its format."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import reshard
-from reshard import engine, sinks
+from reshard.pipeline import engine, sinks
 
 fsspec = pytest.importorskip("fsspec")
 zarr = pytest.importorskip("zarr")

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from reshard.errors import UsageError
-from reshard.sizes import format_size, parse_size
+from reshard.core.errors import UsageError
+from reshard.core.sizes import format_size, parse_size
 
 
 @pytest.mark.parametrize("text,value", [("512MiB", 512 << 20), ("2GB", 2 * 10**9), ("20KB", 20_000),

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from reshard.errors import OutputExistsError, UsageError
-from reshard.staging import StagedOutput
+from reshard.core.errors import OutputExistsError, UsageError
+from reshard.pipeline.staging import StagedOutput
 
 
 def test_commit_is_atomic_and_failure_leaves_nothing(tmp_path: Path) -> None:

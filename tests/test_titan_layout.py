@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard.example import TinyNet
-from reshard.mesh.report import summarize_for_mesh
+from reshard.cli.example import TinyNet
+from reshard.pipeline.mesh_report import summarize_for_mesh
 from tests.dist import HANG_GUARD, run_world
 
 LR = 0.0123  # what the scheduler left in the optimizer: a value no fresh optimizer has
@@ -138,7 +138,7 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_layout_is_detected_and_optimizer_state_follows_its_parameter(titan: Path) -> None:
     for spelling, layout in (("model", "torchtitan"), ("top", "torchtitan-flat")):
         cat = reshard.inspect(titan / spelling)
-        from reshard.conventions import detect_layout
+        from reshard.core.conventions import detect_layout
 
         found = detect_layout(cat)
         assert found.name == layout and found.groups == "fqn"

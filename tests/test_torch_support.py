@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from reshard import torch_support
-from reshard.torch_support import NEWEST_TESTED, installed_torch, newer_torch_notice, release
+from reshard.core import torch_support
+from reshard.core.torch_support import NEWEST_TESTED, installed_torch, newer_torch_notice, release
 from tests.test_cli import reshard as run_cli
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import reshard
-import reshard.validate as validate_mod
-from reshard.regions import StoredRegion, as_region
-from reshard.validate import PathResult, ValidateResult, format_table, validate
+import reshard.commands.validate as validate_mod
+from reshard.commands.validate import PathResult, ValidateResult, format_table, validate
+from reshard.core.regions import StoredRegion, as_region
 from tests.schema import check
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli

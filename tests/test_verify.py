@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 import reshard
-from reshard.cli import main
-from reshard.errors import UsageError
+from reshard.cli.app import main
+from reshard.core.errors import UsageError
 
 
 def test_exact_tolerant_and_nan_aware(tmp_path: Path) -> None:

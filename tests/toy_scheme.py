@@ -1,5 +1,5 @@
 """A toy quantization scheme, as a contributor would add one: this module plus one row in
-reshard/quantize/registry.py (tests/test_quantize_seam.py adds the row). ``int8-row`` stores each
+reshard/features/quantize/registry.py (tests/test_quantize_seam.py adds the row). ``int8-row`` stores each
 linear weight as int8 with a float32 ``weight_scale`` per row, ``amax(|row|) / 127``; the
 driver chooses the weights, reads them in the export's dtype, writes the notice and the config."""
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from reshard.boxes import Box, full_box
-from reshard.catalog import Chunk, TensorEntry
-from reshard.quantize.scheme import Weight
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Chunk, TensorEntry
+from reshard.features.quantize.scheme import Weight
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,10 @@ import re
 from pathlib import Path
 from typing import Any, cast
 
-from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.options import ConvertOptions
-from reshard.structure import CONTAINERS_ATTR
+from reshard.core.catalog import Catalog, ObjectTable, TensorEntry, object_loader
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
+from reshard.core.structure import CONTAINERS_ATTR
+from reshard.pipeline.options import ConvertOptions
 
 __all__ = ["AccelerateFormat", "MODEL_DIR", "OPTIMIZER_DIR", "model_indices"]
 

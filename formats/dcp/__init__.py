@@ -9,7 +9,7 @@
 - ``zstd``: zstd-compressed records, streamed
 """
 
-from reshard._lazy import lazy_exports
+from reshard.core.lazy import lazy_exports
 
 _EXPORTS = {
     "DCPFormat": "reshard.formats.dcp.format",

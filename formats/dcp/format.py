@@ -30,17 +30,17 @@ from reshard.formats.dcp.zstd import ZstdChunk, load_zstd_object
 from reshard.formats.torch.zip import load_object_blob, read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_bytes, torch_save_segments
 
-from reshard.boxes import Box
-from reshard.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, TensorEntry
-from reshard.columns import unique_rows
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError
-from reshard.options import ConvertOptions
-from reshard.pieces import OutputFile, PieceTable, SegmentTable
-from reshard.regions import StoredRegion
-from reshard.storage import will_read
-from reshard.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
-from reshard.target import Target
+from reshard.core.boxes import Box
+from reshard.core.catalog import Catalog, Chunk, ChunkData, IndexedTensorEntry, ObjectTable, TensorEntry
+from reshard.core.columns import unique_rows
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError
+from reshard.core.pieces import OutputFile, PieceTable, SegmentTable
+from reshard.core.regions import StoredRegion
+from reshard.core.storage import will_read
+from reshard.core.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
+from reshard.core.target import Target
+from reshard.pipeline.options import ConvertOptions
 
 if TYPE_CHECKING:
     import torch

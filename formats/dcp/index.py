@@ -8,8 +8,8 @@ from pathlib import Path
 from reshard.formats.dcp.metadata import DCPIndex, read_metadata_file
 from reshard.formats.dcp.ranks import merged_rank_index, rank_metadata_files
 
-from reshard.boxes import tiles_columns, tiling_suspects
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError
+from reshard.core.boxes import tiles_columns, tiling_suspects
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["load_dcp_index"]
 

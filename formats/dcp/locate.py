@@ -22,11 +22,11 @@ import numpy as np
 from reshard.formats.dcp.metadata import ChunkTable
 from reshard.formats.torch.zip import varying_spans
 
-from reshard.catalog import StoredChunks
-from reshard.columns import ranges, unique_rows
-from reshard.errors import ReshardError
-from reshard.regions import StoredRegion, read_exact, read_into
-from reshard.storage import RemotePath, close, open_read
+from reshard.core.catalog import StoredChunks
+from reshard.core.columns import ranges, unique_rows
+from reshard.core.errors import ReshardError
+from reshard.core.regions import StoredRegion, read_exact, read_into
+from reshard.core.storage import RemotePath, close, open_read
 
 __all__ = ["TensorRecords", "RecordLocator"]
 

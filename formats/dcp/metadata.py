@@ -26,11 +26,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from reshard import dtypes
-from reshard.boxes import Box
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UnsupportedFormatError
-from reshard.gc_pause import paused_gc
+from reshard.core import dtypes
+from reshard.core.boxes import Box
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UnsupportedFormatError
+from reshard.core.gc_pause import paused_gc
 from reshard.safe_pickle.unpickler import safe_loads
 
 __all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "NewerFormatError", "read_metadata_file", "DCP_VERSIONS"]
@@ -97,7 +97,7 @@ def _refuse_unknown(obj: _Record, fields: dict) -> None:
 
 
 class Metadata(_Record):
-    # reshard_containers: written by reshard beside torch's fields (reshard.structure)
+    # reshard_containers: written by reshard beside torch's fields (reshard.core.structure)
     __slots__ = ("state_dict_metadata", "planner_data", "storage_data", "reshard_containers", "version")
     # storage_meta: the run that saved it (ids, module names); all_local_plans: Megatron-Core's
     # copy of every rank's SavePlan, which the chunks and storage records say again
@@ -565,7 +565,7 @@ def _newer(meta_path: Path, what: str) -> NewerFormatError:
     """The refusal of a ``.metadata`` newer than reshard. DCP records no torch version, so the
     message names the newest torch reshard was tested with."""
     from reshard import __version__
-    from reshard.torch_support import FLOOR, NEWEST_TESTED
+    from reshard.core.torch_support import FLOOR, NEWEST_TESTED
 
     return NewerFormatError(f"{meta_path}: {what}: written by a torch newer than reshard {__version__} supports "
                             f"(it reads DCP from torch {FLOOR} to {NEWEST_TESTED}); upgrade reshard (pip install -U reshard)")

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import numpy as np
 from reshard.formats.dcp.opcode_rows import Slot, int_slot, join_rows, table_slot
 
-from reshard.columns import unique_rows
-from reshard.dtypes import DType
+from reshard.core.columns import unique_rows
+from reshard.core.dtypes import DType
 
 if TYPE_CHECKING:
     import torch
@@ -163,7 +163,7 @@ def write_metadata(out: BinaryIO, tensors: TensorTable, objects: dict[str, tuple
                    planner_data: Mapping[str, tuple], containers: dict[tuple, str] | None = None) -> None:
     """Write to ``out`` the pickle of a DCP ``Metadata`` for these tensors (chunks in storage
     order) and byte objects (name -> (relpath, offset, length)); ``containers``: see
-    ``reshard.structure``.
+    ``reshard.core.structure``.
 
     The small outer object is pickled by the pickler; its three big dicts (one entry per
     tensor or chunk) are written by ``_Opcodes``, entry by entry, as the pickler would write

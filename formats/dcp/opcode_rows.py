@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reshard.columns import copy_runs
+from reshard.core.columns import copy_runs
 
 __all__ = ["Slot", "table_slot", "int_slot", "join_rows"]
 

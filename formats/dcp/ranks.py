@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.formats.dcp.metadata import DCPIndex, StorageRecord, read_metadata_file
 
-from reshard.boxes import Box
-from reshard.catalog import ChunkData
-from reshard.errors import CorruptCheckpointError
-from reshard.regions import read_exact
-from reshard.storage import close, open_read
+from reshard.core.boxes import Box
+from reshard.core.catalog import ChunkData
+from reshard.core.errors import CorruptCheckpointError
+from reshard.core.regions import read_exact
+from reshard.core.storage import close, open_read
 
 if TYPE_CHECKING:
     import torch

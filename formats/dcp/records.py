@@ -27,11 +27,11 @@ from reshard.formats.dcp.metadata import DCPIndex, StorageRecord
 from reshard.formats.dcp.safetensors import BlobChunk, read_blob
 from reshard.formats.dcp.zstd import DESCRIPTOR, content_size, require_zstandard
 
-from reshard.boxes import Box
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.regions import StoredRegion, read_exact
-from reshard.storage import Handle, close, handle_size, open_read
+from reshard.core.boxes import Box
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.regions import StoredRegion, read_exact
+from reshard.core.storage import Handle, close, handle_size, open_read
 
 __all__ = ["ZIP", "ZSTD", "BLOB", "Item", "Placed", "place_records", "sniff_record", "RecordColumns"]
 

@@ -29,11 +29,11 @@ from pathlib import Path
 
 from reshard.formats.safetensors.header import Header, read_header
 
-from reshard.boxes import Box, full_box, tiles_exactly
-from reshard.catalog import Chunk, TensorEntry
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box, full_box, tiles_exactly
+from reshard.core.catalog import Chunk, TensorEntry
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError
+from reshard.core.regions import StoredRegion
 
 __all__ = ["SHARDING_KEY", "DCP_KEYS", "saved_offsets", "BlobChunk", "Blob", "read_blob", "shard_boxes", "assemble"]
 

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 from reshard.formats.torch.zip import _TorchZipReader, materialize
 from reshard.formats.torch.zip_index import ZipIndex
 
-from reshard.boxes import Box
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.regions import StoredRegion, c_strides, read_exact
-from reshard.storage import close, open_read
+from reshard.core.boxes import Box
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.regions import StoredRegion, c_strides, read_exact
+from reshard.core.storage import close, open_read
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,7 @@
 - ``flat``: a flat element range of a tensor as exact row-major boxes
 """
 
-from reshard._lazy import lazy_exports
+from reshard.core.lazy import lazy_exports
 
 _EXPORTS = {
     "DeepSpeedFormat": "reshard.formats.deepspeed.format",

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
 
 __all__ = ["ZeroFiles", "zero_files", "check_world", "resolve_tag", "is_zero_folder", "is_universal_folder"]
 

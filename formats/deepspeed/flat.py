@@ -16,10 +16,10 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from reshard.boxes import Box
-from reshard.catalog import Chunk
-from reshard.errors import CorruptCheckpointError
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box
+from reshard.core.catalog import Chunk
+from reshard.core.errors import CorruptCheckpointError
+from reshard.core.regions import StoredRegion
 
 __all__ = ["flat_boxes", "FlatBuffer", "fragment_chunks"]
 

@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO checkpoints (stages 1, 2 and 3) and universal checkpoints, read without DeepSpeed.
 
 A ``global_stepN/`` folder (or its parent, through ``latest``) becomes a catalog in the
-``deepspeed`` layout (``reshard.conventions``):
+``deepspeed`` layout (``reshard.core.conventions``):
 
 * ``<fqn>``: the fp32 master weights, exactly what DeepSpeed's ``zero_to_fp32`` rebuilds
   (``get_fp32_state_dict_from_zero_checkpoint``), with buffers, frozen and shared parameters;
@@ -41,11 +41,11 @@ from reshard.formats.deepspeed.state import (
 )
 from reshard.formats.deepspeed.zero import ZeroParam, split_concatenated, zero3_params, zero12_params
 
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk
-from reshard.errors import CorruptCheckpointError, ReshardError, UnsupportedFormatError, UsageError
-from reshard.options import ConvertOptions
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog, Chunk
+from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsupportedFormatError, UsageError
+from reshard.core.regions import StoredRegion
+from reshard.pipeline.options import ConvertOptions
 from reshard.safe_pickle.inert import Inert
 
 __all__ = ["DeepSpeedFormat"]

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.save import add_leaves, flatten_tree
 
-from reshard.boxes import Box, tiles_exactly
-from reshard.catalog import Catalog, Chunk, NestedPath, TensorEntry
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box, tiles_exactly
+from reshard.core.catalog import Catalog, Chunk, NestedPath, TensorEntry
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError
+from reshard.core.regions import StoredRegion
 from reshard.safe_pickle.inert import Inert, is_refused, refused_name
 from reshard.safe_pickle.unpickler import Unpickled, refusal_message
 from reshard.safe_pickle.walk import find_in

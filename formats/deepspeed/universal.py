@@ -19,10 +19,10 @@ from typing import Any
 from reshard.formats.deepspeed.state import LAYOUT_KEYS, add_objects, add_tensor, field_of, load_state, plain, scalar_data
 from reshard.formats.torch.file import read_torch_file
 
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, Chunk
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog, Chunk
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from reshard.core.regions import StoredRegion
 
 __all__ = ["read_universal"]
 

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from reshard.errors import CorruptCheckpointError
+from reshard.core.errors import CorruptCheckpointError
 
 __all__ = ["Fragment", "ZeroParam", "zero12_params", "zero3_params", "split_concatenated"]
 

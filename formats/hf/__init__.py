@@ -5,7 +5,7 @@
 - ``bin``: ``HFBinFormat``, folders of ``pytorch_model*.bin`` weights (read only)
 """
 
-from reshard._lazy import lazy_exports
+from reshard.core.lazy import lazy_exports
 
 _EXPORTS = {
     "HFBinFormat": "reshard.formats.hf.bin",

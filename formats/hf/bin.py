@@ -25,10 +25,10 @@ from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.save import add_leaves, flatten_tree
 from reshard.formats.torch.zip import DTensorRef
 
-from reshard.catalog import Catalog, ObjectTable
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
-from reshard.regions import StoredRegion
-from reshard.structure import CONTAINERS_ATTR
+from reshard.core.catalog import Catalog, ObjectTable
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from reshard.core.regions import StoredRegion
+from reshard.core.structure import CONTAINERS_ATTR
 
 __all__ = ["HFBinFormat", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
 

@@ -1,7 +1,7 @@
 """The side files the HF writer makes: ``config.json`` and the README model card.
 
 Which config (carried from an HF source, ``--config``, or built from the training config) is
-the export step's (``reshard.export``); here it is written with current transformers' keys
+the export step's (``reshard.features.hf_export``); here it is written with current transformers' keys
 (``dtype``, not ``torch_dtype``), the dtype being the compute dtype actually written, so
 ``--dtype bfloat16`` exports say bfloat16.
 """
@@ -14,8 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from reshard.dtypes import DType
-from reshard.target import Target
+from reshard.core.dtypes import DType
+from reshard.core.target import Target
 
 __all__ = ["with_dtype", "model_card", "write_json", "compute_dtype", "export_config"]
 
@@ -25,7 +25,7 @@ def compute_dtype(target: Target) -> DType | None:
     most of the written bytes have. Never float8 or packed bytes: an FP8 release whose weights
     are mostly float8 computes in the dtype of the rest, and from_pretrained makes the model
     in what config.json says."""
-    from reshard.architecture import COMPUTE_DTYPES
+    from reshard.features.architecture import COMPUTE_DTYPES
 
     counts: Counter[DType] = Counter()
     for name, t in target.tensors.items():  # FP8 scales (float32) are no compute tensors either

@@ -1,6 +1,6 @@
 """``--to hf``: a folder transformers' ``from_pretrained`` loads as is.
 
-The catalog it is written from is the core's export step (``reshard.export``, the registry
+The catalog it is written from is the core's export step (``reshard.features.hf_export``, the registry
 entry's ``prepare``: model tensors under HF names, config, side files). Here:
 
 * ``HFWriter`` is the safetensors writer with the Hub's conventions: ``model.safetensors`` or
@@ -19,14 +19,14 @@ from pathlib import Path
 from reshard.formats.hf.files import export_config, model_card, write_json
 from reshard.formats.safetensors.format import SafetensorsFormat, SafetensorsWriter
 
-from reshard.architecture import require_architecture
-from reshard.catalog import Catalog
-from reshard.errors import UsageError
-from reshard.options import ConvertOptions, named
-from reshard.pieces import OutputFile
-from reshard.sizes import parse_size
-from reshard.storage import RemotePath
-from reshard.target import Target
+from reshard.core.catalog import Catalog
+from reshard.core.errors import UsageError
+from reshard.core.pieces import OutputFile
+from reshard.core.sizes import parse_size
+from reshard.core.storage import RemotePath
+from reshard.core.target import Target
+from reshard.features.architecture import require_architecture
+from reshard.pipeline.options import ConvertOptions, named
 
 __all__ = ["HFFormat", "HFWriter"]
 
@@ -53,7 +53,7 @@ class HFWriter(SafetensorsWriter):
     """Safetensors shards as ``save_pretrained`` names them, plus the folder's side files.
 
     Before any file is laid out, the tensors are checked against the model config.json
-    describes (``reshard.architecture``): an export that would load as another, partial or
+    describes (``reshard.features.architecture``): an export that would load as another, partial or
     random model is refused, unless ``architecture_check`` is off, which the model card says."""
 
     def __init__(self, dst: Path | str, *, max_shard_size: int | None = None, architecture_check: bool = True) -> None:
@@ -64,7 +64,7 @@ class HFWriter(SafetensorsWriter):
 
     def layout(self, target: Target) -> list[OutputFile]:
         if "hf_source" not in target.attrs:
-            raise UsageError("--to hf output must be prepared by reshard.export.export_catalog (use reshard.convert)")
+            raise UsageError("--to hf output must be prepared by reshard.features.hf_export.export_catalog (use reshard.convert)")
         config = export_config(target)
         if config is None:  # --weights-only: no config.json, no model to check against
             self.checked = None

@@ -13,9 +13,9 @@
   and ``common_step``, the scheduler), merged into the top level as Megatron's own ``load``
   does.
 
-The catalog follows the ``megatron`` layout (``reshard.conventions``); its parameters get the
+The catalog follows the ``megatron`` layout (``reshard.core.conventions``); its parameters get the
 step from ``common_step``, as Megatron's optimizer does on load, so ``load_model`` resumes
-Adam where it stopped. ``megatron-to-hf`` (``reshard.keymap.megatron``) maps the names to HF's,
+Adam where it stopped. ``megatron-to-hf`` (``reshard.features.keymap.megatron``) maps the names to HF's,
 and ``--to hf`` applies it by itself.
 """
 
@@ -30,9 +30,9 @@ from reshard.formats.dcp.format import DCPFormat
 from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.save import add_leaves, flatten_tree
 
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.options import ConvertOptions
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError, UsageError
+from reshard.pipeline.options import ConvertOptions
 
 __all__ = ["MegatronFormat", "resolve_iteration"]
 

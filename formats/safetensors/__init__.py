@@ -5,7 +5,7 @@
   why reshard reads it itself)
 """
 
-from reshard._lazy import lazy_exports
+from reshard.core.lazy import lazy_exports
 
 _EXPORTS = {
     "SafetensorsFormat": "reshard.formats.safetensors.format",

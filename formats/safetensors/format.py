@@ -29,14 +29,14 @@ from reshard.formats.dcp.safetensors import DCP_KEYS, assemble, shard_boxes
 from reshard.formats.safetensors.header import MAX_HEADER_SIZE, file_order, header_bytes, read_header, unstorable
 from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog, NestedPath
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
-from reshard.options import ConvertOptions
-from reshard.pieces import OutputFile, Piece
-from reshard.regions import StoredRegion
-from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
-from reshard.target import Target
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog, NestedPath
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
+from reshard.core.pieces import OutputFile, Piece
+from reshard.core.regions import StoredRegion
+from reshard.core.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.core.target import Target
+from reshard.pipeline.options import ConvertOptions
 
 __all__ = ["SafetensorsFormat", "SafetensorsWriter", "INDEX_NAME", "OBJECTS_KEY", "PATHS_KEY"]
 

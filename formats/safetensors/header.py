@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from reshard import dtypes
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.regions import read_exact
-from reshard.storage import close, handle_size, open_read
+from reshard.core import dtypes
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.regions import read_exact
+from reshard.core.storage import close, handle_size, open_read
 
 __all__ = [
     "MAX_HEADER_SIZE", "HeaderTensor", "Header", "read_header", "header_bytes", "unstorable",

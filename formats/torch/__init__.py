@@ -8,7 +8,7 @@
 - ``dtensor``: DTensors inside torch files: their mesh and local shard
 """
 
-from reshard._lazy import lazy_exports
+from reshard.core.lazy import lazy_exports
 
 _EXPORTS = {
     "TorchRanksFormat": "reshard.formats.torch.rank_folder",

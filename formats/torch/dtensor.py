@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.regions import StoredRegion
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.regions import StoredRegion
 from reshard.safe_pickle.inert import Sealed
 
 __all__ = ["Record", "DTensorRef", "DTENSOR_CLASSES", "record_class", "dtensor_ref"]

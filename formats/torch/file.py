@@ -8,10 +8,10 @@ from pathlib import Path
 from reshard.formats.torch.legacy import is_tar, read_legacy
 from reshard.formats.torch.zip import read_torch_zip_deferred
 
-from reshard.errors import UnsupportedFormatError
-from reshard.regions import read_exact
+from reshard.core.errors import UnsupportedFormatError
+from reshard.core.regions import read_exact
+from reshard.core.storage import RemotePath, close, handle_size, open_read
 from reshard.safe_pickle.unpickler import Unpickled
-from reshard.storage import RemotePath, close, handle_size, open_read
 
 __all__ = ["read_torch_file"]
 

@@ -24,8 +24,8 @@ from typing import Any, BinaryIO
 
 from reshard.formats.torch.zip import StorageRef, TorchPickle
 
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads
 
 __all__ = ["MAGIC_NUMBER", "PROTOCOL_VERSION", "is_tar", "is_legacy", "read_legacy"]

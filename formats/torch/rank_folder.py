@@ -10,9 +10,9 @@ from reshard.formats.torch.ranks import first_refused, one_set, rank_files, read
 from reshard.formats.torch.ranks_write import TorchRanksWriter
 from reshard.formats.torch.verl import read_verl, verl_sets
 
-from reshard.catalog import Catalog
-from reshard.errors import CheckpointNotFoundError, ReshardError, UnsafeCheckpointError
-from reshard.options import ConvertOptions
+from reshard.core.catalog import Catalog
+from reshard.core.errors import CheckpointNotFoundError, ReshardError, UnsafeCheckpointError
+from reshard.pipeline.options import ConvertOptions
 
 __all__ = ["TorchRanksFormat"]
 

@@ -33,16 +33,16 @@ from reshard.formats.torch.save import (
 )
 from reshard.formats.torch.zip import DTensorRef, Record
 
-from reshard.boxes import Box, full_box, tiles_exactly
-from reshard.catalog import Catalog, Chunk, ObjectTable, TensorEntry
-from reshard.errors import (
+from reshard.core.boxes import Box, full_box, tiles_exactly
+from reshard.core.catalog import Catalog, Chunk, ObjectTable, TensorEntry
+from reshard.core.errors import (
     CorruptCheckpointError,
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
-from reshard.mesh.sharding import Placement, shard_box
-from reshard.regions import StoredRegion
-from reshard.values import same_value, tensor_digest
+from reshard.core.regions import StoredRegion
+from reshard.core.sharding import Placement, shard_box
+from reshard.core.values import same_value, tensor_digest
 
 __all__ = ["rank_files", "read_set", "read_trees", "complete_set", "first_refused", "one_set"]
 

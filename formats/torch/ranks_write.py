@@ -24,13 +24,13 @@ from reshard.formats.torch.save import (
 )
 from reshard.formats.torch.zip_write import PieceRef, torch_save_segments
 
-from reshard.boxes import Box, tiles_exactly
-from reshard.catalog import Catalog, Chunk, ObjectTable, TensorEntry
-from reshard.errors import CorruptCheckpointError, UsageError
-from reshard.mesh.sharding import format_placement, parse_placement, rank_coordinate, shard_box
-from reshard.pieces import OutputFile, Piece
-from reshard.regions import StoredRegion
-from reshard.target import Target
+from reshard.core.boxes import Box, tiles_exactly
+from reshard.core.catalog import Catalog, Chunk, ObjectTable, TensorEntry
+from reshard.core.errors import CorruptCheckpointError, UsageError
+from reshard.core.pieces import OutputFile, Piece
+from reshard.core.regions import StoredRegion
+from reshard.core.sharding import format_placement, parse_placement, rank_coordinate, shard_box
+from reshard.core.target import Target
 
 __all__ = ["LAYOUT_KEY", "TorchRanksWriter", "read_layout_files"]
 

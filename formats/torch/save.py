@@ -40,18 +40,18 @@ from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.zip import DTensorRef, Record, materialize
 from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_segments
 
-from reshard.boxes import full_box
-from reshard.catalog import Catalog, Chunk, NestedPath, ObjectTable, TensorEntry
-from reshard.errors import UnsafeCheckpointError, UnsupportedFormatError, UsageError
-from reshard.options import ConvertOptions
-from reshard.pieces import OutputFile, Piece, Segment
-from reshard.regions import StoredRegion
+from reshard.core.boxes import full_box
+from reshard.core.catalog import Catalog, Chunk, NestedPath, ObjectTable, TensorEntry
+from reshard.core.errors import UnsafeCheckpointError, UnsupportedFormatError, UsageError
+from reshard.core.pieces import OutputFile, Piece, Segment
+from reshard.core.regions import StoredRegion
+from reshard.core.storage import as_location
+from reshard.core.structure import CONTAINERS_ATTR
+from reshard.core.target import Target
+from reshard.pipeline.options import ConvertOptions
 from reshard.safe_pickle.inert import is_refused, refused_name
 from reshard.safe_pickle.unpickler import Unpickled, refusal_message
 from reshard.safe_pickle.walk import find_in
-from reshard.storage import as_location
-from reshard.structure import CONTAINERS_ATTR
-from reshard.target import Target
 
 __all__ = [
     "CONTAINERS_ATTR",

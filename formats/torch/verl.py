@@ -12,7 +12,7 @@ verl's ``FSDPCheckpointManager.save_checkpoint`` writes, on every rank ``r`` of 
 and ``huggingface/config.json`` beside them, carried like an HF folder's (``--to hf``). A set
 is absent when verl was told not to save it, and a file holds ``None`` where there was no
 optimizer or scheduler. The catalog records ``attrs["layout"] = "verl"``, the convention
-(``reshard/conventions.py``) that says which section is which, never guessed from names.
+(``reshard/core/conventions.py``) that says which section is which, never guessed from names.
 FSDP1 saves ShardedTensors instead of DTensors: refused with one line (``read_set``).
 """
 
@@ -26,9 +26,9 @@ from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.ranks import complete_set, first_refused, read_set
 from reshard.formats.torch.save import FlatTree, flatten_tree
 
-from reshard.catalog import Catalog, ObjectTable, TensorEntry, object_loader
-from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.structure import CONTAINERS_ATTR
+from reshard.core.catalog import Catalog, ObjectTable, TensorEntry, object_loader
+from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError
+from reshard.core.structure import CONTAINERS_ATTR
 
 __all__ = ["VERL_SETS", "verl_sets", "read_verl"]
 

@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 from reshard.formats.torch.dtensor import DTENSOR_CLASSES, DTensorRef, Record, dtensor_ref, record_class
 from reshard.formats.torch.zip_index import ZipIndex
 
-from reshard import dtypes
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.regions import StoredRegion
+from reshard.core import dtypes
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.regions import StoredRegion
+from reshard.core.storage import Handle, close, handle_size, open_read
 from reshard.safe_pickle.inert import Inert, Refused, Sealed, inert_name, is_refused
 from reshard.safe_pickle.unpickler import Unpickled, safe_loads, safe_loads_deferred
 from reshard.safe_pickle.value_types import VALUE_GLOBALS
 from reshard.safe_pickle.walk import find_in, path_to, replace_in
-from reshard.storage import Handle, close, handle_size, open_read
 
 if TYPE_CHECKING:
     import torch
@@ -85,7 +85,7 @@ class _TorchObjects(dict):
 
             value = getattr(torch, key[1])
         elif key == ("torch.serialization", "_get_layout"):
-            from reshard import _torch_compat
+            from reshard.core import torch_compat as _torch_compat
 
             value = _torch_compat.get_layout
         else:

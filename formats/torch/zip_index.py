@@ -14,9 +14,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.regions import read_exact
-from reshard.storage import Handle
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.regions import read_exact
+from reshard.core.storage import Handle
 
 __all__ = ["ZipEntry", "ZipIndex"]
 

@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from reshard import dtypes
-from reshard.dtypes import DType
-from reshard.errors import UnsafeCheckpointError
-from reshard.pieces import Segment, segment_size
+from reshard.core import dtypes
+from reshard.core.dtypes import DType
+from reshard.core.errors import UnsafeCheckpointError
+from reshard.core.pieces import Segment, segment_size
 from reshard.safe_pickle.inert import Inert, Refused, standin_class
 from reshard.safe_pickle.walk import replace_in
 

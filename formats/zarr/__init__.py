@@ -8,7 +8,7 @@
 - ``remote``: conversions from and to URLs (no rename: root ``zarr.json`` last)
 """
 
-from reshard._lazy import lazy_exports
+from reshard.core.lazy import lazy_exports
 
 _EXPORTS = {
     "ZarrFormat": "reshard.formats.zarr.format",

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from reshard.boxes import Box, contiguous_range
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.regions import as_tensor
+from reshard.core.boxes import Box, contiguous_range
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
+from reshard.core.regions import as_tensor
 
 if TYPE_CHECKING:
     import torch

@@ -9,7 +9,7 @@ tools:
   objects JSON cannot hold (tensors inside objects, classes) go to ``.reshard-objects.pt``, a
   torch.save archive read back with the allow-list unpickler.
 - ``NAME/zarr.json`` per tensor, ``NAME`` the flat name (``model.embed.weight``); the torch dtype
-  is in the ``reshard.dtype`` attribute, the placements on the mesh in ``reshard.mesh.placements``.
+  is in the ``reshard.dtype`` attribute, the placements on the mesh in ``reshard.pipeline.placements``.
 - ``NAME/c/i/j``: chunks (default key encoding), uncompressed unless ``compress=True`` (zstd).
 
 Without compression a chunk file is raw C-order bytes, so the engine writes it like any other
@@ -39,20 +39,20 @@ from reshard.formats.zarr.grid import ArrayLayout, chunk_segments, plan_arrays
 from reshard.formats.zarr.meta import MAX_JSON_SIZE, ZARR_JSON, array_meta_json, group_meta_json, parse_array_meta, parse_json
 from reshard.formats.zarr.store import LocalStore, Store, open_store
 
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
-from reshard.options import ConvertOptions
-from reshard.pieces import OutputFile
-from reshard.regions import StoredRegion
-from reshard.sizes import plural
-from reshard.storage import RemotePath
-from reshard.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
-from reshard.target import Target
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.pieces import OutputFile
+from reshard.core.regions import StoredRegion
+from reshard.core.sizes import plural
+from reshard.core.storage import RemotePath
+from reshard.core.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.core.target import Target
+from reshard.pipeline.options import ConvertOptions
 
 __all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "OBJECTS_FILE"]
 
 OBJECTS_KEY, PATHS_KEY, ATTRS_KEY, MESH_KEY = "reshard.objects", "reshard.paths", "reshard.attrs", "reshard.mesh"
-PICKLED_KEY, PLACEMENTS_ATTR = "reshard.pickled_objects", "reshard.mesh.placements"
+PICKLED_KEY, PLACEMENTS_ATTR = "reshard.pickled_objects", "reshard.pipeline.placements"
 OBJECTS_FILE = ".reshard-objects.pt"  # a leading dot: no tensor name (array node) can take it
 _MAX_CHUNKS = 1 << 21  # a hostile shape / chunk_shape must not make us build millions of chunks
 _LAYOUT_ATTRS = ("target_mesh", "target_placements", "source_world_size", "source_mesh")

@@ -24,11 +24,11 @@ from typing import Any
 
 from reshard.formats.zarr.meta import ZARR_JSON, ArrayMeta
 
-from reshard.boxes import Box
-from reshard.dtypes import DType
-from reshard.errors import UsageError
-from reshard.pieces import Piece, Segment
-from reshard.target import Target, TargetTensor
+from reshard.core.boxes import Box
+from reshard.core.dtypes import DType
+from reshard.core.errors import UsageError
+from reshard.core.pieces import Piece, Segment
+from reshard.core.target import Target, TargetTensor
 
 __all__ = ["CHUNK_BYTES", "ArrayLayout", "plan_arrays", "default_chunk_shape", "mesh_chunk_shape", "chunk_segments"]
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from reshard import dtypes
-from reshard.boxes import Box
-from reshard.dtypes import DType
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core import dtypes
+from reshard.core.boxes import Box
+from reshard.core.dtypes import DType
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
 
 __all__ = [
     "ZARR_JSON", "DTYPE_ATTR", "MAX_JSON_SIZE", "ArrayMeta", "zarr_dtype_name", "parse_json",

@@ -4,7 +4,7 @@
 A zarr v3 store is a flat key-value space (``zarr.json``, ``name/zarr.json``,
 ``name/c/0/1``); these two small classes give the reader that view (and ``finish`` a local
 folder to put metadata in) and nothing more; writing a store at a URL is the engine's
-``reshard.sinks.RemoteSink``. Local stores keep real paths, so uncompressed chunks become ``StoredRegion``s the
+``reshard.pipeline.sinks.RemoteSink``. Local stores keep real paths, so uncompressed chunks become ``StoredRegion``s the
 engine reads with ``preadv`` and kernel-copies; remote stores fetch bytes (ranges where it can)
 through fsspec, the same layer zarr-python's ``FsspecStore`` sits on, with the same URLs and
 credentials.
@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from reshard.errors import CheckpointNotFoundError
-from reshard.storage import RemotePath, is_url
+from reshard.core.errors import CheckpointNotFoundError
+from reshard.core.storage import RemotePath, is_url
 
 __all__ = ["is_url", "LocalStore", "RemoteStore", "Store", "open_store"]
 

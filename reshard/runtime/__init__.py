@@ -1,4 +1,4 @@
-"""Loading a checkpoint into live ranks: ``load_model`` / ``load_state_dict``.
+"""Layer 7 (with the sources), the runtime: loading a checkpoint into live ranks: ``load_model`` / ``load_state_dict``.
 
 - ``load``: the entry points and their result
 - ``targets``: each live rank's boxes of each tensor (DTensor placements, plain tensors)
@@ -7,7 +7,7 @@
 - ``world``: spawned gloo worlds (the example, tests, ``reshard train``)
 """
 
-from reshard._lazy import lazy_exports
+from reshard.core.lazy import lazy_exports
 
 _EXPORTS = {
     "MODES": "reshard.runtime.load",

@@ -32,18 +32,18 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from reshard import errors
-from reshard.catalog import Catalog, ObjectTable, object_loader
-from reshard.errors import ReshardError, UsageError
-from reshard.log import log_notices
-from reshard.options import LOAD_MODES, LoadOptions
-from reshard.parallel import world
-from reshard.progress import Progress
-from reshard.runtime.plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
+from reshard.core import errors
+from reshard.core.catalog import Catalog, ObjectTable, object_loader
+from reshard.core.errors import ReshardError, UsageError
+from reshard.core.log import log_notices
+from reshard.core.sizes import format_size, plural, preview
+from reshard.pipeline.options import LOAD_MODES, LoadOptions
+from reshard.pipeline.parallel import world
+from reshard.pipeline.progress import Progress
+from reshard.runtime.load_plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
 from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
-from reshard.sizes import format_size, plural, preview
-from reshard.sources import given_config, given_layout
+from reshard.sources.reading import given_config, given_layout
 
 __all__ = ["load_model", "load_state_dict", "LoadOptions", "LoadResult", "StateDictMismatchError", "MODES"]
 
@@ -138,7 +138,7 @@ def _read_catalog(source: Path, opts: LoadOptions) -> Catalog:
         catalog = _section_as_model(fmt.read(source), str(section))
     catalog = given_layout(given_config(catalog, opts.config), opts.layout)  # the config: head counts for a key map
     if opts.keymap is not None:
-        from reshard.keymap.lookup import load_keymap
+        from reshard.features.keymap.lookup import load_keymap
 
         catalog = load_keymap(opts.keymap).apply(catalog)
     return catalog
@@ -306,7 +306,7 @@ def load_state_dict(
 
     Call it on every rank of an initialized process group, or in a single process without
     one. Names match exactly, then as the parameter (or its optimizer state) of the same FQN
-    under the checkpoint's layout, whichever tool wrote it (``reshard.conventions``; ``layout``
+    under the checkpoint's layout, whichever tool wrote it (``reshard.core.conventions``; ``layout``
     names one when detection is wrong); ``keymap`` (a preset name, a JSON path or a dict)
     renames the checkpoint's names first; ``config`` (a config.json, an HF folder or a Hub repo
     id) gives a key map the model's head counts when the checkpoint records none, as
@@ -378,7 +378,7 @@ def load_model(
     """Load ``source`` into a plain, DDP or FSDP2 (``fully_shard``; 1-D, HSDP or TP+FSDP mesh) ``model``,
     and into ``optimizer`` when given: AdamW's exp_avg, exp_avg_sq and step resharded with
     their parameter, param-group hyper-parameters (lr, betas...) from the checkpoint. Any
-    layout the common tools write is understood (``reshard.conventions``): ours and torch's
+    layout the common tools write is understood (``reshard.core.conventions``): ours and torch's
     ``{"model", "optim"}``, torchtitan's ``optimizer.state.<fqn>.<key>`` with per-parameter
     ``param_groups`` (model under ``model.`` or at the top level), plain model state dicts.
 
@@ -474,7 +474,7 @@ def _live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     msd = dict(model.state_dict())
     if optimizer is None:
         return msd, None, False
-    from reshard import _torch_compat
+    from reshard.core import torch_compat as _torch_compat
 
     _torch_compat.init_optimizer_state(optimizer)
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters(remove_duplicate=False)}

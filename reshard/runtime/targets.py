@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from reshard import _torch_compat
-from reshard.boxes import Box, full_box
-from reshard.errors import UnsupportedFormatError, UsageError
+from reshard.core import torch_compat as _torch_compat
+from reshard.core.boxes import Box, full_box
+from reshard.core.errors import UnsupportedFormatError, UsageError
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -26,14 +26,14 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from reshard.assemble import fill_from_sources
-from reshard.boxes import Box, c_order_slabs
-from reshard.catalog import TensorEntry
-from reshard.dtypes import DType
-from reshard.fd_pool import FdPool
-from reshard.plan import sources_for
-from reshard.progress import Progress
-from reshard.runtime.plan import LoadPlan
+from reshard.core.boxes import Box, c_order_slabs
+from reshard.core.catalog import TensorEntry
+from reshard.core.dtypes import DType
+from reshard.core.fd_pool import FdPool
+from reshard.pipeline.assemble import fill_from_sources
+from reshard.pipeline.plan import sources_for
+from reshard.pipeline.progress import Progress
+from reshard.runtime.load_plan import LoadPlan
 from reshard.runtime.targets import Slot
 
 __all__ = ["OpenFiles", "read_box", "read_local", "send_boxes", "receive_boxes"]

@@ -1,4 +1,4 @@
-"""The only way reshard reads a pickle: an allow-list that never imports or calls what a
+"""Layer 2, safe unpickling, the only way reshard reads a pickle: an allow-list that never imports or calls what a
 file names beyond inert data types (docs/security.md).
 
 - ``unpickler``: the allow-list unpickler, deferred refusals, ``allow_classes``
@@ -8,7 +8,7 @@ file names beyond inert data types (docs/security.md).
 - ``walk``: finding and replacing values inside unpickled objects
 """
 
-from reshard._lazy import lazy_exports
+from reshard.core.lazy import lazy_exports
 
 _EXPORTS = {
     "allow_classes": "reshard.safe_pickle.unpickler",

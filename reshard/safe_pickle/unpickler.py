@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from reshard.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UsageError, option
+from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UsageError, option
 from reshard.safe_pickle.inert import Refused, is_refused, refused_class, standin_class
 from reshard.safe_pickle.numpy_types import NUMPY_NAMES, numpy_build
 

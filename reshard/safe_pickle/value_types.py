@@ -13,7 +13,7 @@ Every entry obeys three rules (docs/security.md):
   allocates no more than the data it was given;
 * what the unpickler receives is an immutable builtin type, a function, or a sealed class
   (``reshard.safe_pickle.inert.Sealed``), so a crafted BUILD cannot change it for later loads;
-* the result is a real value of its type, so writers and ``reshard.values`` treat it like any
+* the result is a real value of its type, so writers and ``reshard.core.values`` treat it like any
   other value (``Counter`` is a Counter, not a look-alike).
 """
 

@@ -16,7 +16,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
-from reshard.errors import UnsupportedFormatError
+from reshard.core.errors import UnsupportedFormatError
 
 __all__ = ["find_in", "path_to", "replace_in"]
 

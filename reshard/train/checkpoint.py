@@ -24,8 +24,8 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from reshard.errors import CheckpointNotFoundError
-from reshard.staging import StagedOutput
+from reshard.core.errors import CheckpointNotFoundError
+from reshard.pipeline.staging import StagedOutput
 from reshard.train.model import ModelConfig
 
 __all__ = ["save_checkpoint", "train_objects", "latest_checkpoint", "state_digest", "unflatten"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reshard.errors import UsageError
+from reshard.core.errors import UsageError
 
 __all__ = ["SyntheticTokens"]
 

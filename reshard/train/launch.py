@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard import errors
-from reshard.errors import ReshardError, UsageError
-from reshard.log import to_stream
+from reshard.core import errors
+from reshard.core.errors import ReshardError, UsageError
+from reshard.core.log import to_stream
 from reshard.train.checkpoint import latest_checkpoint
 from reshard.train.loop import TRAIN_LOG, TrainConfig, TrainResult, check_config, train
 

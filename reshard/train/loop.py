@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from reshard.errors import UsageError
-from reshard.log import LOGGER
-from reshard.mesh.sharding import MeshSpec, parse_mesh
+from reshard.core.errors import UsageError
+from reshard.core.log import LOGGER
+from reshard.core.sharding import MeshSpec, parse_mesh
 from reshard.train.checkpoint import latest_checkpoint, save_checkpoint, state_digest, train_objects
 from reshard.train.data import SyntheticTokens
 from reshard.train.model import ModelConfig, Transformer

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reshard.errors import UsageError
+from reshard.core.errors import UsageError
 
 __all__ = ["ModelConfig", "Transformer", "TransformerBlock", "RMSNorm", "precompute_freqs_cis"]
 

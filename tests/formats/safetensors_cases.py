@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from reshard.boxes import full_box
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.pieces import OutputFile, Piece
-from reshard.target import Target, TargetTensor
+from reshard.core.boxes import full_box
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.pieces import OutputFile, Piece
+from reshard.core.target import Target, TargetTensor
 
 __all__ = ["reference", "raw_bytes", "same", "whole_target", "write_layout", "raw_file", "BROKEN"]
 

@@ -59,7 +59,7 @@ def _same(a, b, where: str) -> None:
 def test_save_state_folder_is_one_checkpoint(reference: dict, tmp_path: Path) -> None:
     cat = reshard.inspect(CKPT)
     assert cat.format == "accelerate" and cat.attrs["source_world_size"] == 2
-    from reshard.conventions import detect_layout
+    from reshard.core.conventions import detect_layout
 
     layout = detect_layout(cat)
     assert layout.name == "accelerate"
@@ -182,7 +182,7 @@ def test_load_model_picks_one_model_of_a_multi_model_folder(reference: dict, tmp
         for fqn, value in exp_avg.items():
             assert torch.equal(value, reference["optimizer"]["state"][fqn]["exp_avg"]), (section, fqn)
 
-    with pytest.raises(reshard.errors.UsageError, match="names no model"):
+    with pytest.raises(reshard.core.errors.UsageError, match="names no model"):
         reshard.load_model(transformers.LlamaForCausalLM(config), folder, section=2, progress=False)
-    with pytest.raises(reshard.errors.UnsupportedFormatError, match=r"section=1"):
+    with pytest.raises(reshard.core.errors.UnsupportedFormatError, match=r"section=1"):
         reshard.load_model(transformers.LlamaForCausalLM(config), folder, progress=False)

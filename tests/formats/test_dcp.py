@@ -12,7 +12,7 @@ from reshard.formats.dcp.format import DCPFormat
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import reshard
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 from tests.fixtures import full_tensor
 
 

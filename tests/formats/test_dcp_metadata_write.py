@@ -71,13 +71,13 @@ def test_metadata_of_many_chunks_says_where_each_record_is(tmp_path: Path, monke
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from reshard import dtypes
-    from reshard.boxes import Box
-    from reshard.catalog import Catalog, Chunk, TensorEntry
-    from reshard.mesh.placements import load_placement_plan
-    from reshard.mesh.sharding import parse_mesh
-    from reshard.mesh.target import mesh_target
-    from reshard.pieces import Piece, segment_size
+    from reshard.core import dtypes
+    from reshard.core.boxes import Box
+    from reshard.core.catalog import Catalog, Chunk, TensorEntry
+    from reshard.core.pieces import Piece, segment_size
+    from reshard.core.sharding import parse_mesh
+    from reshard.pipeline.mesh_target import mesh_target
+    from reshard.pipeline.placements import load_placement_plan
 
     monkeypatch.setattr(metadata_write, "_ROWS_AT_ONCE", 777)
     rng = random.Random(3)

@@ -24,7 +24,7 @@ from reshard.formats.dcp.metadata import NewerFormatError
 from safetensors.torch import load_file
 
 import reshard
-from reshard.torch_support import FLOOR, NEWEST_TESTED, TESTED, release
+from reshard.core.torch_support import FLOOR, NEWEST_TESTED, TESTED, release
 from tests.dist import HANG_GUARD, run_world
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli

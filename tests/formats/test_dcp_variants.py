@@ -22,8 +22,8 @@ from reshard.formats.dcp.format import DCPFormat
 from reshard.formats.registry import detect_format
 
 import reshard
-from reshard.boxes import Box
-from reshard.catalog import ObjectTable
+from reshard.core.boxes import Box
+from reshard.core.catalog import ObjectTable
 from tests.dcp_variants import MULTICHUNK_FULL, source_state_dict, write_variants
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as cli

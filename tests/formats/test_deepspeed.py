@@ -20,10 +20,10 @@ from reshard.formats.deepspeed.zero import zero3_params, zero12_params
 from safetensors.torch import load_file
 
 import reshard
-from reshard.boxes import full_box
-from reshard.conventions import OPTIM_GROUP, OTHER, PARAM, detect_layout
-from reshard.errors import CorruptCheckpointError
-from reshard.keymap.chunks import read_box
+from reshard.core.boxes import full_box
+from reshard.core.chunk_reads import read_box
+from reshard.core.conventions import OPTIM_GROUP, OTHER, PARAM, detect_layout
+from reshard.core.errors import CorruptCheckpointError
 from tests.schema import check
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as cli

@@ -11,11 +11,11 @@ import pytest
 import torch
 from reshard.formats.deepspeed.flat import FlatBuffer, flat_boxes, fragment_chunks
 
-from reshard.boxes import Box, contiguous_range, tiles_exactly
-from reshard.catalog import TensorEntry
-from reshard.errors import CorruptCheckpointError
-from reshard.keymap.chunks import read_box
-from reshard.regions import StoredRegion
+from reshard.core.boxes import Box, contiguous_range, tiles_exactly
+from reshard.core.catalog import TensorEntry
+from reshard.core.chunk_reads import read_box
+from reshard.core.errors import CorruptCheckpointError
+from reshard.core.regions import StoredRegion
 
 
 def _flat_indices(shape: tuple[int, ...], box: Box) -> list[int]:

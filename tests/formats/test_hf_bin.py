@@ -19,7 +19,7 @@ from reshard.formats.registry import detect_format, get_format
 from safetensors.torch import save_file
 
 import reshard
-from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UsageError
+from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from tests.hf_models import hf_logits, save_tiny_llama
 
 

@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file
 
 import reshard
-from reshard.boxes import full_box
-from reshard.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, detect_layout
-from reshard.errors import UsageError
-from reshard.keymap.chunks import read_box
-from reshard.keymap.lookup import load_keymap
+from reshard.core.boxes import full_box
+from reshard.core.chunk_reads import read_box
+from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, detect_layout
+from reshard.core.errors import UsageError
+from reshard.features.keymap.lookup import load_keymap
 from tests.dist import HANG_GUARD, run_world
 from tests.hf_models import assert_checked, assert_refused_without_keymap
 from tests.schema import check

@@ -7,7 +7,7 @@ import torch
 from reshard.formats.registry import detect_format, format_for_destination, get_format
 from safetensors.torch import save_file
 
-from reshard.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
+from reshard.core.errors import CheckpointNotFoundError, UnsupportedFormatError, UsageError
 
 
 def test_detects_each_format(fsdp2_dcp, tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ from reshard.formats.safetensors.format import INDEX_NAME, SafetensorsFormat
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from reshard.boxes import Box, full_box
-from reshard.catalog import Catalog
-from reshard.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
-from reshard.options import ConvertOptions
+from reshard.core.boxes import Box, full_box
+from reshard.core.catalog import Catalog
+from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
+from reshard.pipeline.options import ConvertOptions
 from tests.formats.safetensors_cases import BROKEN, raw_file, reference, same, whole_target, write_layout
 
 FMT = SafetensorsFormat()

@@ -13,7 +13,7 @@ import pytest
 import torch
 from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 
-from reshard import dtypes
+from reshard.core import dtypes
 
 
 def _float(bits: int) -> float:

@@ -16,7 +16,7 @@ from reshard.formats.torch.legacy import MAGIC_NUMBER, PROTOCOL_VERSION
 from reshard.formats.torch.save import TorchSaveFormat
 
 import reshard
-from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
 from tests.fixtures import full_tensor
 from tests.formats.test_torch_save import _same, _zoo
 from tests.test_hostile import _System

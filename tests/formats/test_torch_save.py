@@ -20,13 +20,13 @@ from reshard.formats.torch.zip import DTensorRef, Record
 from safetensors.torch import save_file
 
 import reshard
-from reshard.boxes import Box
-from reshard.catalog import Catalog
-from reshard.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError, UsageError
-from reshard.mesh.sharding import shard_box
-from reshard.plan import full_target
-from reshard.regions import StoredRegion
-from reshard.target import Target
+from reshard.core.boxes import Box
+from reshard.core.catalog import Catalog
+from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError, UsageError
+from reshard.core.regions import StoredRegion
+from reshard.core.sharding import shard_box
+from reshard.core.target import Target
+from reshard.pipeline.plan import full_target
 from tests.dist import HANG_GUARD, run_world
 from tests.fixtures import TinyNet, full_tensor, onto, save_editing_refs, torch_reading_of_retyped
 from tests.formats.test_dcp import _Evil
@@ -610,9 +610,9 @@ def _common_objects() -> dict:
 
 
 def _same_objects(got: Any, want: Any) -> None:
-    """``reshard.values.difference`` (type and value), plus what it cannot see: a BytesIO's
+    """``reshard.core.values.difference`` (type and value), plus what it cannot see: a BytesIO's
     contents, an RNG's state, a Namespace's tensor."""
-    from reshard.values import difference
+    from reshard.core.values import difference
 
     def plain(v: Any) -> Any:
         if hasattr(v, "getvalue"):
@@ -748,7 +748,7 @@ def test_allowed_classes_round_trip_under_their_own_names(tmp_path: Path) -> Non
 def test_reads_verl_checkpoint_folders_exactly(saved, tmp_path: Path) -> None:
     """verl's three sets of rank files are one catalog: model., optim., extra. sections, the
     verl layout recorded; a full file, a DCP round trip and the model alone are exact."""
-    from reshard.conventions import OPTIM_STATE, PER_RANK, detect_layout
+    from reshard.core.conventions import OPTIM_STATE, PER_RANK, detect_layout
 
     root, ref = saved
     folder = root / "verl"

@@ -9,9 +9,9 @@ import torch
 from reshard.formats.torch.zip import read_torch_zip
 from reshard.formats.torch.zip_write import PieceRef, torch_save_segments
 
-from reshard.boxes import full_box
-from reshard.pieces import Piece
-from reshard.regions import StoredRegion
+from reshard.core.boxes import full_box
+from reshard.core.pieces import Piece
+from reshard.core.regions import StoredRegion
 
 
 def _write(path: Path, segments, tensors: dict[str, torch.Tensor]) -> None:
@@ -90,7 +90,7 @@ def test_objects_keep_their_types_when_tensors_inside_are_read_or_stored(tmp_pat
     from reshard.formats.torch.zip import load_object_blob, materialize
     from reshard.formats.torch.zip_write import torch_save_bytes
 
-    from reshard.values import difference
+    from reshard.core.values import difference
 
     cells = np.empty(2, dtype=object)
     cells[0], cells[1] = torch.ones(2), "x"

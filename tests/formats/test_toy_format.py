@@ -13,7 +13,7 @@ from reshard.formats.registry import FormatEntry, register_format
 from safetensors.torch import load_file
 
 import reshard
-from reshard.cli import main
+from reshard.cli.app import main
 
 
 @pytest.fixture

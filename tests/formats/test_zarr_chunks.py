@@ -18,11 +18,11 @@ from reshard.formats.zarr.chunks import compress
 from reshard.formats.zarr.format import ZarrFormat
 
 import reshard
-from reshard.boxes import Box
-from reshard.engine import Engine
-from reshard.errors import CorruptCheckpointError, UnsupportedFormatError
-from reshard.pieces import OutputFile
-from reshard.sinks import FolderSink
+from reshard.core.boxes import Box
+from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.pieces import OutputFile
+from reshard.pipeline.engine import Engine
+from reshard.pipeline.sinks import FolderSink
 from tests.fixtures import full_tensor
 
 zarr = pytest.importorskip("zarr")
@@ -108,7 +108,7 @@ def test_compression_without_numcodecs_says_what_to_install(monkeypatch: pytest.
 
     from reshard.formats.zarr.chunks import compress
 
-    from reshard.errors import UsageError
+    from reshard.core.errors import UsageError
 
     monkeypatch.setitem(sys.modules, "numcodecs", None)  # as if zarr-python were not installed
     with pytest.raises(UsageError, match=r"pip install numcodecs"):
@@ -165,7 +165,7 @@ def test_fill_values_are_the_bytes_torch_makes_of_them(name: str, value: object,
     path, the bytes are torch's own for that value, and what does not fit is refused."""
     from reshard.formats.zarr.meta import fill_bytes
 
-    from reshard import dtypes
+    from reshard.core import dtypes
 
     dtype = dtypes.by_name(name)
     json_value = [value, imag] if dtype.is_complex else value

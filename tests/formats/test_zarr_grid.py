@@ -12,11 +12,11 @@ from reshard.formats.zarr.format import ZarrWriter
 from reshard.formats.zarr.grid import chunk_segments, default_chunk_shape
 
 import reshard
-from reshard.boxes import Box, full_box
-from reshard.engine import Engine
-from reshard.pieces import Piece
-from reshard.plan import make_plan
-from reshard.target import Target, TargetTensor
+from reshard.core.boxes import Box, full_box
+from reshard.core.pieces import Piece
+from reshard.core.target import Target, TargetTensor
+from reshard.pipeline.engine import Engine
+from reshard.pipeline.plan import make_plan
 
 ts = pytest.importorskip("tensorstore")
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import reshard
-from reshard import sinks
-from reshard.errors import OutputExistsError, UsageError
+from reshard.core.errors import OutputExistsError, UsageError
+from reshard.pipeline import sinks
 
 zarr = pytest.importorskip("zarr")
 fsspec = pytest.importorskip("fsspec")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from reshard.formats.torch.zip_index import ZipIndex
 
-from reshard.errors import CorruptCheckpointError
+from reshard.core.errors import CorruptCheckpointError
 
 
 def _index(path: Path, start: int = 0, length: int | None = None) -> ZipIndex:

@@ -3,7 +3,7 @@ tests/formats/test_toy_format.py). A ``NAME.toy/`` folder holds ``data.bin`` (ea
 C-order bytes, one after another; ``data-<rank>.bin``, one per rank, when laid out for a mesh)
 and ``toy.json`` (each tensor's dtype, shape and chunks: box, file and offset), written last:
 the file that makes the folder a checkpoint. It reads and writes local folders and URLs alike
-(``reshard.storage`` paths), and holds mesh layouts: the engine, staging and URL writing are
+(``reshard.core.storage`` paths), and holds mesh layouts: the engine, staging and URL writing are
 the core's."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from reshard.boxes import Box
-from reshard.catalog import Catalog, Chunk, TensorEntry
-from reshard.dtypes import dtype_name, parse_dtype
-from reshard.errors import CorruptCheckpointError
-from reshard.options import ConvertOptions
-from reshard.pieces import OutputFile, Piece
-from reshard.regions import StoredRegion
-from reshard.target import Target
+from reshard.core.boxes import Box
+from reshard.core.catalog import Catalog, Chunk, TensorEntry
+from reshard.core.dtypes import dtype_name, parse_dtype
+from reshard.core.errors import CorruptCheckpointError
+from reshard.core.pieces import OutputFile, Piece
+from reshard.core.regions import StoredRegion
+from reshard.core.target import Target
+from reshard.pipeline.options import ConvertOptions
 
 INDEX = "toy.json"
 

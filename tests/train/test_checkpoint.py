@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.errors import CheckpointNotFoundError
+from reshard.core.errors import CheckpointNotFoundError
 from reshard.train.checkpoint import latest_checkpoint, train_objects, unflatten
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard.errors import UsageError
+from reshard.core.errors import UsageError
 from reshard.train.data import SyntheticTokens
 
 DATA = SyntheticTokens(vocab_size=64, seq_len=16, global_batch=12, seed=0)

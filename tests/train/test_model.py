@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from reshard.errors import UsageError
+from reshard.core.errors import UsageError
 from reshard.train.model import ModelConfig, Transformer, apply_rotary_emb, precompute_freqs_cis
 
 TINY = ModelConfig.preset("tiny")

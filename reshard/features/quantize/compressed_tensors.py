@@ -1,0 +1,123 @@
+"""What the compressed-tensors schemes share: the ``quantization_config`` vLLM, SGLang and
+transformers parse, the arithmetic of its scales, and the refusal of a weight no scale can hold.
+
+The config is the one compressed-tensors 0.19 writes for a preset scheme (llm-compressor's
+``model_free_ptq``): one config group named after the preset, targeting ``Linear``, with every
+field of ``QuantizationArgs``, status ``compressed`` and ``ignore`` listing the modules left in the
+compute dtype by name. tests/test_quantize_ct.py checks it against compressed-tensors' own model
+of it and against ``model_free_ptq``'s output.
+
+The arithmetic is compressed-tensors' (``calculate_qparams``, ``_quantize``), op for op, in the
+dtype the export would hold the weight in (bf16 weights give bf16 scales, computed in bf16), so
+``reshard convert --to hf --quantize S`` writes what ``model_free_ptq`` writes for the same
+export without ``--quantize``, bit for bit.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from reshard.core import dtypes
+from reshard.core.boxes import Box
+from reshard.core.errors import UsageError
+from reshard.core.regions import BAND_BYTES
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["EXPERT", "VERSION", "ct_config", "args", "ignored_modules", "checked_finite", "Once", "FP8_MAX", "row_bands",
+           "fp8_scales", "fp8_values"]
+
+VERSION = "0.19.0"  # the compressed-tensors release whose config and tensors these schemes write
+EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")  # an expert's weight, and its fused experts module
+FP8_MAX = 448.0  # float8_e4m3fn's largest value: q_max of an 8-bit float scheme
+_FP8 = dtypes.by_name("float8_e4m3fn")
+
+
+def args(*, num_bits: int, strategy: str, dynamic: bool, group_size: int | None = None,
+         block_structure: list[int] | None = None, scale_dtype: str | None = None) -> dict[str, Any]:
+    """One ``QuantizationArgs`` as compressed-tensors dumps it: symmetric floats, every field."""
+    return {"actorder": None, "block_structure": block_structure, "dynamic": dynamic, "group_size": group_size,
+            "num_bits": num_bits, "observer": None, "observer_kwargs": {}, "scale_dtype": scale_dtype,
+            "strategy": strategy, "symmetric": True, "type": "float", "zp_dtype": None}
+
+
+def ignored_modules(skipped: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """The modules compressed-tensors must not treat as quantized: those of the 2-D weights left
+    alone (a 1-D norm is no Linear, so no reader would), the tied head among them, and the
+    ``experts`` module of any expert left alone (transformers and vLLM fuse experts into it)."""
+    names = [n for n, shape in skipped.items() if len(shape) != 1]
+    return sorted({n.removesuffix(".weight") for n in names} | {m.group(1) for n in names if (m := EXPERT.match(n))})
+
+
+def ct_config(group: str, fmt: str, weights: dict[str, Any], inputs: dict[str, Any] | None,
+              skipped: Mapping[str, tuple[int, ...]], quantized: int) -> dict[str, Any]:
+    """``quantization_config`` for one preset ``group`` of compressed-tensors format ``fmt``:
+    ``dense`` and no group format when no weight is quantized, as compressed-tensors says then."""
+    return {"config_groups": {group: {"format": fmt if quantized else None, "input_activations": inputs,
+                                      "output_activations": None, "targets": ["Linear"], "weights": weights}},
+            "format": fmt if quantized else "dense", "global_compression_ratio": None, "ignore": ignored_modules(skipped),
+            "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+            "transform_config": {}, "version": VERSION}
+
+
+def checked_finite(amax: torch.Tensor, name: str, where: Callable[[int], str]) -> None:
+    """Refuse a weight whose ``amax`` (per scale) is not finite: no scale holds inf or NaN, and
+    every reader would dequantize the whole group to NaN. ``where(i)`` names the i-th group."""
+    import torch
+
+    bad = ~torch.isfinite(amax.reshape(-1))
+    if bool(bad.any()):  # met in a worker thread: errors.option cannot tell CLI from API
+        i = int(bad.nonzero()[0])
+        what = "inf" if bool(torch.isinf(amax.reshape(-1)[i])) else "NaN"
+        raise UsageError(f"{name}: {where(i)} holds {what}: a quantization scale cannot hold it (every reader would "
+                         f"dequantize it to NaN); fix the weights, or keep the module in the compute dtype with "
+                         f"--keep-dtype {name} (keep_dtype=[{name!r}])")
+
+
+def row_bands(shape: tuple[int, ...], itemsize: int, multiple: int = 1) -> list[Box]:
+    """Boxes of whole rows (a ``multiple`` of rows each) covering ``shape``, each about
+    ``BAND_BYTES``: how a scale that needs whole rows reads a weight."""
+    rows, cols = shape
+    step = max(1, BAND_BYTES // max(1, cols * itemsize * multiple)) * multiple
+    return [Box((r0, 0), (min(step, rows - r0), cols)) for r0 in range(0, rows, step)]
+
+
+def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
+    """``calculate_qparams`` of a symmetric 8-bit float scheme: ``amax / 448`` in ``amax``'s
+    dtype, that dtype's eps where it is 0."""
+    import torch
+
+    d = amax.dtype
+    scale = amax / torch.tensor(FP8_MAX, dtype=d)
+    return torch.where(scale == 0, torch.tensor(torch.finfo(d).eps, dtype=d), scale)
+
+
+def fp8_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``_quantize``: ``w / scale`` in ``w``'s dtype, clamped to the fp8 range, rounded to fp8."""
+    import torch
+
+    return torch.clamp(w / scale, -FP8_MAX, FP8_MAX).to(_FP8.torch)
+
+
+class Once:
+    """A tensor computed on first use, once, whichever engine thread asks first; as chunk data,
+    any box of it (the scales a scheme writes beside its values)."""
+
+    def __init__(self, compute: Callable[[], torch.Tensor]) -> None:
+        self._compute: Callable[[], torch.Tensor] | None = compute
+        self._value: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> torch.Tensor:
+        with self._lock:
+            if self._value is None:
+                assert self._compute is not None
+                self._value, self._compute = self._compute(), None
+            return self._value
+
+    def read(self, box: Box) -> torch.Tensor:
+        return self()[box.as_slices()].contiguous()
