@@ -21,7 +21,6 @@ from reshard.core.pieces import OutputFile
 from reshard.core.sharding import MeshSpec, parse_mesh
 from reshard.core.sizes import format_size, preview
 from reshard.core.target import Target
-from reshard.features.quantize.registry import scheme_named
 from reshard.formats.registry import (
     all_suffixes,
     format_entry,
@@ -277,7 +276,9 @@ def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOp
     """``options`` with the keyword arguments' fields replaced (or the keyword arguments alone);
     a quantization scheme reshard does not write is refused before anything is read."""
     opts = ConvertOptions.of(given, options)
-    if opts.quantize is not None:
+    if opts.quantize is not None:  # the schemes' modules only when one is asked for (start-up)
+        from reshard.features.quantize.registry import scheme_named
+
         scheme_named(opts.quantize)
     return opts
 
