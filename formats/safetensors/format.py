@@ -27,7 +27,6 @@ from typing import Any
 
 from reshard.formats.dcp.safetensors import DCP_KEYS, assemble, shard_boxes
 from reshard.formats.safetensors.header import MAX_HEADER_SIZE, file_order, header_bytes, read_header, unstorable
-from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 
 from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog, NestedPath
@@ -35,6 +34,7 @@ from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError,
 from reshard.core.pieces import OutputFile, Piece
 from reshard.core.regions import StoredRegion
 from reshard.core.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.core.tagged_json import Unencodable, decode_value, encode_value
 from reshard.core.target import Target
 from reshard.pipeline.options import ConvertOptions
 

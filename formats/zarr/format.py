@@ -31,7 +31,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
-from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 from reshard.formats.torch.zip import load_object_blob
 from reshard.formats.torch.zip_write import torch_save_bytes
 from reshard.formats.zarr.chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress
@@ -46,6 +45,7 @@ from reshard.core.regions import StoredRegion
 from reshard.core.sizes import plural
 from reshard.core.storage import RemotePath
 from reshard.core.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.core.tagged_json import Unencodable, decode_value, encode_value
 from reshard.core.target import Target
 from reshard.pipeline.options import ConvertOptions
 

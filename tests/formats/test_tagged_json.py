@@ -11,9 +11,9 @@ import struct
 
 import pytest
 import torch
-from reshard.formats.tagged_json import Unencodable, decode_value, encode_value
 
 from reshard.core import dtypes
+from reshard.core.tagged_json import Unencodable, decode_value, encode_value
 
 
 def _float(bits: int) -> float:
