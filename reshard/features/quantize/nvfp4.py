@@ -141,7 +141,8 @@ class Nvfp4:
 
     def tensors(self, weight: Weight) -> dict[str, TensorEntry]:
         rows, cols = weight.entry.shape
-        gs = Once(lambda: global_scale(weight))
+        fused = ("nvfp4-global", *(e.name for e in weight.partners or (weight.entry,)))
+        gs = weight.shared.setdefault(fused, Once(lambda: global_scale(weight)))  # once per fused set
         base = weight.name.removesuffix(".weight")
         packed, scale, glob = (f"{base}.weight_packed", f"{base}.weight_scale", f"{base}.weight_global_scale")
         return {packed: TensorEntry(packed, (rows, cols // 2), _UINT8,

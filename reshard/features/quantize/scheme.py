@@ -11,7 +11,7 @@ computed for whatever box the engine asks, as the weights stream, so the memory 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from reshard.core import dtypes
@@ -30,12 +30,14 @@ class Weight:
     """One weight to quantize: its entry, the dtype the export would write it in (``--dtype``
     applied, or its own), and ``partners``: the weights a serving engine fuses with it into
     one matrix (q/k/v, gate/up), quantized in the same pass; a scheme whose scale spans a fused
-    matrix (NVFP4's global scale) reads them."""
+    matrix (NVFP4's global scale) reads them, and keeps what it computes for the whole set in
+    ``shared`` (one dict per export, so each fused set is read once for it)."""
 
     name: str
     entry: TensorEntry
     dtype: dtypes.DType
     partners: tuple[TensorEntry, ...] = ()
+    shared: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def box(self, box: Box, entry: TensorEntry | None = None) -> torch.Tensor:
         """``box`` of this weight (or of a partner) in ``dtype``: what the export without

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from reshard.core import dtypes
 from reshard.core.catalog import Catalog, TensorEntry
@@ -106,12 +107,13 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
     tensors: dict[str, TensorEntry] = {}
     partners = _partners(chosen)
     picked = set(chosen)
+    shared: dict[Any, Any] = {}  # what a scheme computes once per fused set (Weight.shared)
     for name, entry in catalog.tensors.items():  # in the catalog's order, each weight's scales after it
         if name not in picked:
             tensors[name] = entry
             continue
         weight = Weight(name, entry, dtype or entry.dtype,
-                        tuple(catalog.tensors[p] for p in partners.get(name, (name,))))
+                        tuple(catalog.tensors[p] for p in partners.get(name, (name,))), shared)
         written = found.tensors(weight)
         for out in written:
             if out != name and out in catalog.tensors:
