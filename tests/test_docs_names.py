@@ -23,7 +23,7 @@ DOTTED = re.compile(r"(?<![\w.])(reshard(?:\.[A-Za-z_]\w*)+)")
 # Not modules: the keys reshard writes into a safetensors file's __metadata__, a zarr store's
 # attributes and a DCP's containers record (checked below to be what the writers write).
 METADATA_KEYS = {"reshard.objects", "reshard.paths", "reshard.dtype", "reshard.attrs", "reshard.containers",
-                 "reshard.pickled_objects", "reshard.mesh", "reshard.pipeline.placements"}
+                 "reshard.pickled_objects", "reshard.mesh", "reshard.mesh.placements"}
 # Not in a checkout: the link .ci/run makes for mypy (CONTRIBUTING.md says how).
 MADE_BY_CI = {"reshard/formats"}
 

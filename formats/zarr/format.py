@@ -9,7 +9,7 @@ tools:
   objects JSON cannot hold (tensors inside objects, classes) go to ``.reshard-objects.pt``, a
   torch.save archive read back with the allow-list unpickler.
 - ``NAME/zarr.json`` per tensor, ``NAME`` the flat name (``model.embed.weight``); the torch dtype
-  is in the ``reshard.dtype`` attribute, the placements on the mesh in ``reshard.pipeline.placements``.
+  is in the ``reshard.dtype`` attribute, the placements on the mesh in ``reshard.mesh.placements``.
 - ``NAME/c/i/j``: chunks (default key encoding), uncompressed unless ``compress=True`` (zstd).
 
 Without compression a chunk file is raw C-order bytes, so the engine writes it like any other
@@ -52,7 +52,7 @@ from reshard.pipeline.options import ConvertOptions
 __all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "OBJECTS_FILE"]
 
 OBJECTS_KEY, PATHS_KEY, ATTRS_KEY, MESH_KEY = "reshard.objects", "reshard.paths", "reshard.attrs", "reshard.mesh"
-PICKLED_KEY, PLACEMENTS_ATTR = "reshard.pickled_objects", "reshard.pipeline.placements"
+PICKLED_KEY, PLACEMENTS_ATTR = "reshard.pickled_objects", "reshard.mesh.placements"
 OBJECTS_FILE = ".reshard-objects.pt"  # a leading dot: no tensor name (array node) can take it
 _MAX_CHUNKS = 1 << 21  # a hostile shape / chunk_shape must not make us build millions of chunks
 _LAYOUT_ATTRS = ("target_mesh", "target_placements", "source_world_size", "source_mesh")

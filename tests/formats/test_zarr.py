@@ -80,14 +80,14 @@ def test_to_mesh_4_chunks_are_dim0_shards(fsdp2_dcp, fsdp2_reference, tmp_path: 
     for name, ref in fsdp2_reference.items():
         meta = json.loads((store / name / "zarr.json").read_text())
         chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
-        if meta["attributes"]["reshard.pipeline.placements"] == ["Shard(0)"]:
+        if meta["attributes"]["reshard.mesh.placements"] == ["Shard(0)"]:
             n = ref.shape[0]
             assert chunk == [math.ceil(n / 4), *ref.shape[1:]], name  # torch.chunk: ceil(n/4) rows
             files = [p for p in (store / name / "c").rglob("*") if p.is_file()]
             assert len(files) == math.ceil(n / chunk[0]), name  # empty trailing shards store nothing
             sharded += 1
         else:
-            assert meta["attributes"]["reshard.pipeline.placements"] == ["Replicate()"], name
+            assert meta["attributes"]["reshard.mesh.placements"] == ["Replicate()"], name
             assert chunk == list(ref.shape), name  # a replicated tensor is one chunk
         assert np.ascontiguousarray(ts_read(store / name)).tobytes() == raw(ref), name  # padding is right
     assert sharded > 10
