@@ -18,18 +18,19 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from reshard.core import dtypes
 from reshard.core.boxes import Box
-from reshard.core.errors import UsageError
 from reshard.core.regions import BAND_BYTES
+from reshard.features.quantize.scheme import Weight, checked_finite
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["EXPERT", "VERSION", "ct_config", "args", "ignored_modules", "checked_finite", "Once", "FP8_MAX", "row_bands",
-           "fp8_scales", "fp8_values"]
+__all__ = ["EXPERT", "VERSION", "ct_config", "args", "ignored_modules", "Once", "FP8_MAX", "row_bands",
+           "fp8_scales", "fp8_grid_scales", "fp8_values"]
 
 VERSION = "0.19.0"  # the compressed-tensors release whose config and tensors these schemes write
 EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")  # an expert's weight, and its fused experts module
@@ -64,20 +65,6 @@ def ct_config(group: str, fmt: str, weights: dict[str, Any], inputs: dict[str, A
             "transform_config": {}, "version": VERSION}
 
 
-def checked_finite(amax: torch.Tensor, name: str, where: Callable[[int], str]) -> None:
-    """Refuse a weight whose ``amax`` (per scale) is not finite: no scale holds inf or NaN, and
-    every reader would dequantize the whole group to NaN. ``where(i)`` names the i-th group."""
-    import torch
-
-    bad = ~torch.isfinite(amax.reshape(-1))
-    if bool(bad.any()):  # met in a worker thread: errors.option cannot tell CLI from API
-        i = int(bad.nonzero()[0])
-        what = "inf" if bool(torch.isinf(amax.reshape(-1)[i])) else "NaN"
-        raise UsageError(f"{name}: {where(i)} holds {what}: a quantization scale cannot hold it (every reader would "
-                         f"dequantize it to NaN); fix the weights, or keep the module in the compute dtype with "
-                         f"--keep-dtype {name} (keep_dtype=[{name!r}])")
-
-
 def row_bands(shape: tuple[int, ...], itemsize: int, multiple: int = 1) -> list[Box]:
     """Boxes of whole rows (a ``multiple`` of rows each) covering ``shape``, each about
     ``BAND_BYTES``: how a scale that needs whole rows reads a weight."""
@@ -94,6 +81,28 @@ def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
     d = amax.dtype
     scale = amax / torch.tensor(FP8_MAX, dtype=d)
     return torch.where(scale == 0, torch.tensor(torch.finfo(d).eps, dtype=d), scale)
+
+
+def fp8_grid_scales(weight: Weight, rows: int, cols: int | None) -> torch.Tensor:
+    """compressed-tensors' scales of ``weight`` per block of ``rows`` x ``cols`` (``cols`` None:
+    whole rows, one scale per output channel), ``[out / rows, in / cols]`` in the weight's dtype,
+    read a band of whole block rows at a time; a block holding inf or NaN is refused, named."""
+    import torch
+
+    total = weight.entry.shape[1]
+    width = cols or total
+    parts = []
+    for band in row_bands(weight.entry.shape, weight.dtype.itemsize, rows):
+        nr = band.sizes[0]
+        amax = weight.box(band).reshape(nr // rows, rows, total // width, width).abs().amax(dim=(1, 3))
+        checked_finite(amax, weight.name, partial(_cell, band.offsets[0] // rows, amax.shape[1], cols is None))
+        parts.append(amax)
+    return fp8_scales(torch.cat(parts) if parts else torch.empty((0, total // width), dtype=weight.dtype.torch))
+
+
+def _cell(first: int, per_row: int, channel: bool, i: int) -> str:
+    """The i-th scale of a band whose first block row is ``first``: a row, or a block."""
+    return f"row {first + i}" if channel else f"block ({first + i // per_row}, {i % per_row})"
 
 
 def fp8_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

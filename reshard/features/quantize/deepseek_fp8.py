@@ -34,15 +34,15 @@ import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from reshard.core import dtypes
 from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Chunk, TensorEntry
 from reshard.core.chunk_reads import float32_box
-from reshard.core.errors import UsageError
 from reshard.core.regions import BAND_BYTES, Banded
-from reshard.features.quantize.scheme import Weight
+from reshard.features.quantize.scheme import Weight, checked_finite
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +60,11 @@ _EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
 def scale_name(name: str) -> str:
     """``<m>.weight`` -> ``<m>.weight_scale_inv``."""
     return name + "_scale_inv"
+
+
+def _block(i: int, r0: int, nr: int, cols: int, j: int) -> str:
+    """Block ``(i, j)`` and the rows and columns it covers (the last ones partial)."""
+    return f"block ({i}, {j}) (rows {r0}-{r0 + nr - 1}, columns {j * BLOCK}-{min(cols, (j + 1) * BLOCK) - 1})"
 
 
 @dataclass
@@ -97,13 +102,7 @@ class _Blocks:
             w = float32_box(self.source, Box((r0, c0), (nr, nc))).abs_()
             for j in range(-(-nc // BLOCK)):
                 amax[c0 // BLOCK + j] = w[:, j * BLOCK: (j + 1) * BLOCK].amax()
-        if not bool(torch.isfinite(amax).all()):  # met in a worker thread: errors.option cannot tell CLI from API
-            j = int((~torch.isfinite(amax)).nonzero()[0])
-            what = "inf" if bool(torch.isinf(amax[j])) else "NaN"
-            raise UsageError(f"{self.source.name}: block ({i}, {j}) (rows {r0}-{r0 + nr - 1}, columns {j * BLOCK}-"
-                             f"{min(cols, (j + 1) * BLOCK) - 1}) holds {what}: an FP8 block scale cannot hold it (every "
-                             f"reader would dequantize the whole block to NaN); fix the weights, or keep the module in "
-                             f"the compute dtype with --keep-dtype {self.source.name} (keep_dtype=[{self.source.name!r}])")
+        checked_finite(amax, self.source.name, partial(_block, i, r0, nr, cols), "an FP8 block scale", "the whole block")
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         with self._lock:
             self._rows[i] = scale

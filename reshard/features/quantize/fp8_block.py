@@ -12,23 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from reshard.core import dtypes
 from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Chunk, TensorEntry
 from reshard.core.regions import Banded
-from reshard.features.quantize.compressed_tensors import (
-    EXPERT,
-    Once,
-    args,
-    checked_finite,
-    ct_config,
-    fp8_scales,
-    fp8_values,
-    row_bands,
-)
+from reshard.features.quantize.compressed_tensors import EXPERT, Once, args, ct_config, fp8_grid_scales, fp8_values
 from reshard.features.quantize.scheme import Weight
 
 if TYPE_CHECKING:
@@ -42,26 +32,6 @@ BLOCK = 128
 # neither from model_free_ptq's output nor from reshard's: they stay in the compute dtype.
 EXPERTS = "MoE experts (transformers cannot load block-scaled experts into its fused experts module)"
 _FP8 = dtypes.by_name("float8_e4m3fn")
-
-
-def _block(g0: int, n: int, i: int) -> str:
-    return f"block ({g0 + i // n}, {i % n})"
-
-
-def block_scales(weight: Weight) -> torch.Tensor:
-    """``[out / 128, in / 128]`` scales in the weight's dtype, as compressed-tensors computes them."""
-    import torch
-
-    rows, cols = weight.entry.shape
-    parts = []
-    for band in row_bands(weight.entry.shape, weight.dtype.itemsize, BLOCK):
-        nr = band.sizes[0]
-        blocks = weight.box(band).reshape(nr // BLOCK, BLOCK, cols // BLOCK, BLOCK)
-        amax = blocks.abs().amax(dim=(1, 3))
-        g0 = band.offsets[0] // BLOCK
-        checked_finite(amax, weight.name, partial(_block, g0, amax.shape[1]))
-        parts.append(amax)
-    return fp8_scales(torch.cat(parts) if parts else torch.empty((0, cols // BLOCK), dtype=weight.dtype.torch))
 
 
 @dataclass(frozen=True)
@@ -96,7 +66,7 @@ class Fp8Block:
 
     def tensors(self, weight: Weight) -> dict[str, TensorEntry]:
         rows, cols = shape = weight.entry.shape
-        scales = Once(lambda: block_scales(weight))
+        scales = Once(lambda: fp8_grid_scales(weight, BLOCK, BLOCK))
         grid = (rows // BLOCK, cols // BLOCK)
         scale = weight.name + "_scale"
         return {weight.name: TensorEntry(weight.name, shape, _FP8, [Chunk(full_box(shape), _Values(weight, scales))]),

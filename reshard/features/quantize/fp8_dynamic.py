@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from reshard.core import dtypes
 from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Chunk, TensorEntry
 from reshard.core.regions import Banded
-from reshard.features.quantize.compressed_tensors import Once, args, checked_finite, ct_config, fp8_scales, fp8_values, row_bands
+from reshard.features.quantize.compressed_tensors import Once, args, ct_config, fp8_grid_scales, fp8_values
 from reshard.features.quantize.scheme import Weight
 
 if TYPE_CHECKING:
@@ -27,22 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["Fp8Dynamic"]
 
 _FP8 = dtypes.by_name("float8_e4m3fn")
-
-
-def _row(r0: int, i: int) -> str:
-    return f"row {r0 + i}"
-
-
-def channel_scales(weight: Weight) -> torch.Tensor:
-    """``[out, 1]`` scales in the weight's dtype, as compressed-tensors computes them."""
-    import torch
-
-    parts = []
-    for band in row_bands(weight.entry.shape, weight.dtype.itemsize):
-        amax = weight.box(band).abs().amax(dim=1, keepdim=True)
-        checked_finite(amax, weight.name, partial(_row, band.offsets[0]))
-        parts.append(amax)
-    return fp8_scales(torch.cat(parts) if parts else torch.empty((0, 1), dtype=weight.dtype.torch))
 
 
 @dataclass(frozen=True)
@@ -70,7 +53,7 @@ class Fp8Dynamic:
 
     def tensors(self, weight: Weight) -> dict[str, TensorEntry]:
         rows, _ = shape = weight.entry.shape
-        scales = Once(lambda: channel_scales(weight))
+        scales = Once(lambda: fp8_grid_scales(weight, 1, None))  # [out, 1]
         scale = weight.name + "_scale"
         return {weight.name: TensorEntry(weight.name, shape, _FP8, [Chunk(full_box(shape), _Values(weight, scales))]),
                 scale: TensorEntry(scale, (rows, 1), weight.dtype, [Chunk(full_box((rows, 1)), scales)])}

@@ -27,8 +27,8 @@ from reshard.core import dtypes
 from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Chunk, TensorEntry
 from reshard.core.regions import Banded
-from reshard.features.quantize.compressed_tensors import FP8_MAX, Once, args, checked_finite, ct_config, row_bands
-from reshard.features.quantize.scheme import Weight
+from reshard.features.quantize.compressed_tensors import FP8_MAX, Once, args, ct_config, row_bands
+from reshard.features.quantize.scheme import Weight, checked_finite
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ computed for whatever box the engine asks, as the weights stream, so the memory 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -18,11 +18,12 @@ from reshard.core import dtypes
 from reshard.core.boxes import Box
 from reshard.core.catalog import TensorEntry
 from reshard.core.chunk_reads import float32_box, read_box
+from reshard.core.errors import UsageError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Scheme", "Weight"]
+__all__ = ["Scheme", "Weight", "checked_finite"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,23 @@ class Weight:
         if entry.dtype.itemsize > 4:  # float64: float32 first would round twice
             return read_box(entry, box).to(self.dtype.torch)
         return float32_box(entry, box).to(self.dtype.torch)
+
+
+def checked_finite(amax: torch.Tensor, name: str, where: Callable[[int], str], scale: str = "a quantization scale",
+                   spread: str = "it") -> None:
+    """Refuse a weight whose ``amax`` (one per scale) is not finite: no scale holds inf or NaN,
+    and every reader would dequantize ``spread`` (what the scale covers) to NaN. ``where(i)``
+    names the i-th scale's part of the weight. Met in a worker thread, so the message names
+    both spellings of the option (errors.option cannot tell CLI from API there)."""
+    import torch
+
+    bad = ~torch.isfinite(amax.reshape(-1))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        what = "inf" if bool(torch.isinf(amax.reshape(-1)[i])) else "NaN"
+        raise UsageError(f"{name}: {where(i)} holds {what}: {scale} cannot hold it (every reader would "
+                         f"dequantize {spread} to NaN); fix the weights, or keep the module in the compute dtype with "
+                         f"--keep-dtype {name} (keep_dtype=[{name!r}])")
 
 
 class Scheme(Protocol):
