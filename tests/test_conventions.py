@@ -10,10 +10,11 @@ import torch
 from reshard.core.catalog import Catalog, TensorEntry
 from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, OTHER, PARAM, PER_RANK, detect_layout, layout_notices, rename_path
 from reshard.core.errors import UsageError
+from reshard.core.facts import Facts
 
 
-def _catalog(tensors: list[str], objects: list[str] = (), nested: bool = False, **attrs) -> Catalog:
-    cat = Catalog("dcp", Path("ckpt"), attrs=dict(attrs))
+def _catalog(tensors: list[str], objects: list[str] = (), nested: bool = False, **facts) -> Catalog:
+    cat = Catalog("dcp", Path("ckpt"), facts=Facts(**facts))
     cat.tensors = {n: TensorEntry(n, (2,), torch.float32) for n in tensors}
     cat.objects = {n: 0 for n in objects}
     if nested:  # sections as the first step of the nested path, as dcp.save records them

@@ -70,7 +70,7 @@ def test_training_checkpoint_exports_to_transformers_with_the_same_logits(checkp
                                                                           tmp_path: Path) -> None:
     cfg = CONFIGS[name]
     ckpt = checkpoints / name
-    assert reshard.inspect(ckpt).attrs.get("source_world_size") == 3
+    assert reshard.inspect(ckpt).facts.source_world_size == 3
     proc = run_cli("convert", ckpt, tmp_path / "OUT", "--to", "hf")
     assert proc.returncode == 0, proc.stderr
     assert "optimizer state tensors left out" in proc.stderr and "titan-to-hf" in proc.stderr and "llama3" in proc.stderr

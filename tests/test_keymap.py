@@ -262,7 +262,7 @@ def test_grouped_experts_unstack_to_hf_and_stack_back(tmp_path: Path, era: str) 
                  checkpoint_id=tmp_path / "titan", no_dist=True)
     config = {"model_type": "qwen3_moe", "num_attention_heads": N_HEADS, "num_key_value_heads": N_KV}
     cat = reshard.inspect(tmp_path / "titan")
-    cat.attrs["hf_config"] = config
+    cat.facts.hf_config = config
     hf = load_keymap("titan-to-hf").apply(cat)
     assert not any("freqs_cis" in n for n in hf.tensors) and any("freqs_cis" in n for n in hf.notices)
     for e in range(5):
@@ -277,7 +277,7 @@ def test_grouped_experts_unstack_to_hf_and_stack_back(tmp_path: Path, era: str) 
     assert torch.equal(read_box(q, full_box(q.shape)), next(v for k, v in model.items() if k.endswith("wq.weight")))
     assert "model.layers.0.mlp.experts.4.down_proj.weight" in hf.objects["optim.param_groups.0.params"]
     # Back to torchtitan's grouped tensors, bit for bit, in the era asked for.
-    hf.attrs["hf_config"] = config
+    hf.facts.hf_config = config
     back = load_keymap("hf-to-titan" if era == "v2" else "hf-to-titan-0.3").apply(hf)
     for key, name in grouped.items():
         got = back.tensors[f"model.{name}"]
@@ -293,7 +293,7 @@ def test_family_comes_from_the_config_or_the_names() -> None:
         c = Catalog("dcp", Path("x"))
         c.tensors = {n: TensorEntry(n, (2,), torch.float32) for n in names}
         if config:
-            c.attrs["hf_config"] = config
+            c.facts.hf_config = config
         return c
 
     assert titan_family(cat(["layers.0.attention.wq.weight"])) == "llama3"

@@ -94,7 +94,7 @@ def _catalog(world: int | None) -> Catalog:
         cat.tensors[name] = TensorEntry(name, shape, torch.float32, [Chunk(Box((0,) * len(shape), shape), _Zeros(shape))])
     cat.objects.update({"train.step": 3, "rng_states.rank_1": [1, 2], "scheduler.last_epoch": 3})
     if world is not None:
-        cat.attrs["source_world_size"] = world
+        cat.facts.source_world_size = world
     return cat
 
 

@@ -17,6 +17,7 @@ from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog, Chunk, ChunkData, TensorEntry
 from reshard.core.chunk_reads import read_box
 from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
+from reshard.core.facts import Facts
 from reshard.features.dequantize import dequantized, find_quantized, quant_method, unpaired
 from reshard.features.provenance import CONFIG_OBJECT, carry_hf_configs
 from reshard.pipeline.assemble import assemble
@@ -78,7 +79,7 @@ def test_deepseek_fp8_dequantizes_as_transformers_does(fp8_dir: Path) -> None:
     stored = load_file(fp8_dir / "model.safetensors")
     out = dequantized(catalog)
     assert not any("scale" in n for n in out.tensors)
-    assert "quantization_config" not in out.attrs["hf_config"] and out.attrs["hf_config"]["model_type"] == "deepseek_v3"
+    assert "quantization_config" not in out.facts.hf_config and out.facts.hf_config["model_type"] == "deepseek_v3"
     assert out.notices[-1].startswith("dequantized 28 fp8-block 128x128 weights to float32")
     for name, entry in out.tensors.items():
         if name not in find_quantized(catalog):
@@ -219,7 +220,7 @@ def test_mxfp4_dequantizes_as_transformers_does(mxfp4_dir: Path) -> None:
     assert sorted(s.output for s in schemes.values()) == [EXPERTS.replace("gate_up_proj", "down_proj"), EXPERTS]
     out = dequantized(catalog)
     assert not any(n.endswith(("_blocks", "_scales")) for n in out.tensors)
-    assert "quantization_config" not in out.attrs["hf_config"]
+    assert "quantization_config" not in out.facts.hf_config
     for s in schemes.values():
         theirs = convert_moe_packed_tensors(stored[s.weight], stored[s.scale], dtype=torch.bfloat16)
         entry = out.tensors[s.output]
@@ -254,7 +255,7 @@ def loaded(source: Path, model_class: str, tmp_path: Path) -> tuple[dict[str, to
 
     out = dequantized(reshard.inspect(source))
     tensors = {n: whole(e).to(torch.bfloat16) if e.dtype.is_floating_point else whole(e) for n, e in out.tensors.items()}
-    folder = write_folder(tmp_path / "hf", tensors, out.attrs["hf_config"])
+    folder = write_folder(tmp_path / "hf", tensors, out.facts.hf_config)
     model, info = getattr(transformers, model_class).from_pretrained(folder, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert getattr(model.config, "quantization_config", None) is None
@@ -305,8 +306,8 @@ def test_block_size_comes_from_a_carried_config(tmp_path: Path) -> None:
     q, s = fp8_block_quantize(torch.randn(100, 70), (64, 32))
     config = {"model_type": "llama", "quantization_config": {"quant_method": "fp8", "weight_block_size": [64, 32]}}
     catalog = folder_catalog(tmp_path / "ckpt", {"w.weight": q, "w.weight_scale_inv": s}, config)
-    carry_hf_configs(catalog)  # as a DCP converted from this folder holds it: an object, no attrs
-    catalog = replace(catalog, attrs={})
+    carry_hf_configs(catalog)  # as a DCP converted from this folder holds it: an object, no facts
+    catalog = replace(catalog, facts=Facts())
     out = dequantized(catalog)
     assert torch.equal(whole(out.tensors["w.weight"]), block_reference(q, s, (64, 32), torch.float32))
     assert json.loads(out.objects[CONFIG_OBJECT]) == {"model_type": "llama"}

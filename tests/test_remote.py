@@ -118,7 +118,7 @@ def test_dcp_from_fsspec_writer_to_safetensors_and_mesh_and_back(memfs: Any, tmp
     assert r.format == "dcp" and sorted(memfs.ls("/ckpts/run3", detail=False))[0].endswith(".metadata")
     _assert_same(_load_with_torch("memory://ckpts/run3", state), want)
     inspected = reshard.inspect("memory://ckpts/run3")
-    assert inspected.attrs.get("source_world_size", 3) == 3
+    assert inspected.facts.source_world_size in (None, 3)
     assert inspected.tensors["optim.state.0.weight.exp_avg"].chunk_count == 3
 
     # a remote safetensors file and a sharded folder with its index, read back from the store

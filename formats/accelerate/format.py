@@ -13,7 +13,7 @@
 
 The two DCP folders already name their tensors under ``model.`` and ``optimizer.`` (the
 optimizer state keyed by parameter FQN, ``param_groups`` listing FQNs), so they merge without
-renaming, and the catalog records ``attrs["layout"] = "accelerate"``. A folder with a second
+renaming, and the catalog records ``facts.layout = "accelerate"``. A folder with a second
 model (``pytorch_model_fsdp_1/``, its optimizer in ``optimizer_1/``) would put two models under
 one name: read whole it is refused, naming the ways out; ``read(path, model_index=1)`` (what
 ``reshard.load_model(..., section=1)`` asks for) reads that model and its optimizer as the
@@ -29,7 +29,7 @@ from typing import Any, cast
 
 from reshard.core.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.core.structure import CONTAINERS_ATTR
+from reshard.core.facts import Facts
 from reshard.pipeline.options import ConvertOptions
 
 __all__ = ["AccelerateFormat", "MODEL_DIR", "OPTIMIZER_DIR", "model_indices"]
@@ -80,7 +80,7 @@ class AccelerateFormat:
         from reshard.formats.torch.save import TorchSaveFormat
 
         path = Path(path)
-        catalog = Catalog(format=self.name, path=path, objects=ObjectTable(), attrs={"layout": "accelerate"})
+        catalog = Catalog(format=self.name, path=path, objects=ObjectTable(), facts=Facts(layout="accelerate"))
         containers: dict[tuple, str] = {}
         for section, folder in _dcp_parts(path, model_index).items():
             part = DCPFormat().read(folder)
@@ -88,14 +88,13 @@ class AccelerateFormat:
             if stray is not None:
                 raise CorruptCheckpointError(f"{folder}: {stray!r} is outside the {section!r} section accelerate saves")
             _merge(catalog, part, containers)
-            catalog.attrs.setdefault("source_world_size", part.attrs.get("source_world_size"))
+            if catalog.facts.source_world_size is None:
+                catalog.facts.source_world_size = part.facts.source_world_size
         for file in sorted(p for p in path.iterdir() if p.is_file() and _PART_FILE.fullmatch(p.name)):
             section = file.name.rsplit(".", 1)[0]
             _merge(catalog, _prefixed(TorchSaveFormat().read(file), section), containers)
         if containers:
-            catalog.attrs[CONTAINERS_ATTR] = containers
-        if catalog.attrs.get("source_world_size") is None:
-            catalog.attrs.pop("source_world_size", None)
+            catalog.facts.containers = containers
         return catalog
 
     def writer(self, dst: Path, options: ConvertOptions | None = None) -> Any:
@@ -112,7 +111,7 @@ def _prefixed(part: Catalog, section: str) -> Catalog:
     for name in part.objects:
         objects.set_lazy(f"{section}.{name}", object_loader(part.objects, name))
     out.paths = {f"{section}.{n}": (section, *part.nested_path(n)) for n in [*part.tensors, *part.objects]}
-    out.attrs[CONTAINERS_ATTR] = {(section, *p): kind for p, kind in (part.attrs.get(CONTAINERS_ATTR) or {}).items()}
+    out.facts.containers = {(section, *p): kind for p, kind in (part.facts.containers or {}).items()}
     out.notices = [f"{section}: {n}" for n in part.notices]
     return out
 
@@ -127,5 +126,5 @@ def _merge(catalog: Catalog, part: Catalog, containers: dict[tuple, str]) -> Non
             raise CorruptCheckpointError(f"{part.path}: {name!r} is also in another part of {catalog.path}")
         cast(ObjectTable, catalog.objects).set_lazy(name, object_loader(part.objects, name))  # read() made it one
     catalog.paths.update({n: part.nested_path(n) for n in [*part.tensors, *part.objects] if n in part.paths})
-    containers.update(part.attrs.get(CONTAINERS_ATTR) or {})
+    containers.update(part.facts.containers or {})
     catalog.notices += part.notices

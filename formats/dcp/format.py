@@ -38,7 +38,7 @@ from reshard.core.errors import CorruptCheckpointError
 from reshard.core.pieces import OutputFile, PieceTable, SegmentTable
 from reshard.core.regions import StoredRegion
 from reshard.core.storage import will_read
-from reshard.core.structure import CONTAINERS_ATTR, dcp_path, from_dcp_path
+from reshard.core.structure import dcp_path, from_dcp_path
 from reshard.core.target import Target
 from reshard.pipeline.options import ConvertOptions
 
@@ -197,14 +197,14 @@ class DCPFormat:
         catalog = Catalog(format=self.name, path=path)
         if index.containers:
             catalog.paths = {n: from_dcp_path(p, index.containers) for n, p in index.paths.items()}
-            catalog.attrs[CONTAINERS_ATTR] = index.containers
+            catalog.facts.containers = index.containers
         else:
             catalog.paths = index.paths
         for name in index.tensors:  # columns for every tensor (merged rank files come as lists)
             index.table(name)
         ranks = {int(m.group(1)) for f in index.files if (m := _DATA_FILE.fullmatch(f))}
         if ranks:
-            catalog.attrs["source_world_size"] = max(ranks) + 1
+            catalog.facts.source_world_size = max(ranks) + 1
         records = RecordColumns(index)
         if _fast_path(path, index, records):
             records.check(path)
@@ -344,7 +344,7 @@ class DCPWriter:
         # Paths as torch's dcp.save spells them (dict keys as strings), so torch's readers
         # rebuild what they would from their own save; the int keys and tuples it cannot
         # express ride beside them, for reshard's reader.
-        containers = dict(target.attrs.get(CONTAINERS_ATTR) or {})
+        containers = dict(target.facts.containers or {})
         names = [*target.tensors, *objects]
         planner_data = _Computed(names, lambda name: dcp_path(target.nested_path(name), containers))
         with open(staging / ".metadata", "wb") as out:  # written as made: tens of MiB at 100k tensors

@@ -44,6 +44,7 @@ from reshard.formats.deepspeed.zero import ZeroParam, split_concatenated, zero3_
 from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog, Chunk
 from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsupportedFormatError, UsageError
+from reshard.core.facts import Facts
 from reshard.core.regions import StoredRegion
 from reshard.pipeline.options import ConvertOptions
 from reshard.safe_pickle.inert import Inert
@@ -92,8 +93,8 @@ class _Zero:
                 raise CorruptCheckpointError(
                     f"{files.optim[r]}: ZeRO-{stage} partition of a {count}-rank run, but {files.optim[0].name} is "
                     f"ZeRO-{self.stage} of {self.world} ranks (left over from another run?)")
-        self.catalog = Catalog("deepspeed", shown, attrs={"layout": "deepspeed", "source_world_size": self.world,
-                                                        "deepspeed_zero_stage": self.stage})
+        self.catalog = Catalog("deepspeed", shown, facts=Facts(layout="deepspeed", source_world_size=self.world,
+                                                              deepspeed_zero_stage=self.stage))
         self.shapes = _shapes(self.model[0].value, files.model[0])
 
     def _count(self, osd: dict, r: int) -> int:

@@ -22,6 +22,7 @@ from reshard.formats.torch.file import read_torch_file
 from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog, Chunk
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError
+from reshard.core.facts import Facts
 from reshard.core.regions import StoredRegion
 
 __all__ = ["read_universal"]
@@ -77,8 +78,8 @@ def read_universal(folder: Path) -> Catalog:
     state_path = zero / "optimizer_state.pt"
     optim = load_state(state_path) if state_path.is_file() else None
     stage = plain(optim.value.get("zero_stage")) if optim else None
-    catalog = Catalog("deepspeed", folder, attrs={"layout": "deepspeed", "deepspeed_universal": True,
-                                                "deepspeed_zero_stage": stage})
+    catalog = Catalog("deepspeed", folder, facts=Facts(layout="deepspeed", deepspeed_universal=True,
+                                                      deepspeed_zero_stage=stage))
     shared_step = _zero3_step(optim.value, state_path) if optim and stage == 3 else None
     for name in [*shapes, *(n for n in on_disk if n not in shapes)]:
         param = zero / name

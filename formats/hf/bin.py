@@ -6,7 +6,7 @@ from before safetensors are stored (zip or pre-1.6 legacy files alike: ``torch.f
 The index is checked like a safetensors index (``formats/safetensors/format.py``, whose checks this
 module reuses): file names stay inside the folder, every tensor the index maps to a file is
 in that file and no other, and no file holds a tensor the index does not put there.
-``config.json`` and ``generation_config.json`` ride in ``catalog.attrs`` under the same keys
+``config.json`` and ``generation_config.json`` ride in ``catalog.facts`` under the same keys
 as a safetensors folder's, so ``--to hf`` writes them out again.
 
 A folder that holds safetensors weights too (the Hub often keeps both) is read as safetensors,
@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from reshard.formats.safetensors.format import _CONFIGS, _check_against_index, _indexed_files, _load_json
+from reshard.formats.safetensors.format import _check_against_index, _indexed_files, take_hf_configs
 from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.save import add_leaves, flatten_tree
 from reshard.formats.torch.zip import DTensorRef
@@ -28,7 +28,6 @@ from reshard.formats.torch.zip import DTensorRef
 from reshard.core.catalog import Catalog, ObjectTable
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from reshard.core.regions import StoredRegion
-from reshard.core.structure import CONTAINERS_ATTR
 
 __all__ = ["HFBinFormat", "WEIGHTS_NAME", "WEIGHTS_INDEX_NAME"]
 
@@ -61,7 +60,7 @@ class HFBinFormat:
         return (path / WEIGHTS_NAME).is_file() or any(p.is_file() for p in path.glob(f"*{_INDEX_SUFFIX}"))
 
     def read(self, path: Path) -> Catalog:
-        """The folder's weights (tensors as regions in the .bin files), its configs in attrs."""
+        """The folder's weights (tensors as regions in the .bin files), its configs in its facts."""
         path = Path(path)
         if not path.exists():
             raise CheckpointNotFoundError(f"{path}: no such file or directory")
@@ -80,10 +79,8 @@ class HFBinFormat:
             add_leaves(catalog, flat, file)
             containers.update(flat.containers)
         if containers:
-            catalog.attrs[CONTAINERS_ATTR] = containers
-        for filename, key in _CONFIGS.items():
-            if (root / filename).is_file():
-                catalog.attrs[key] = _load_json(root / filename, filename)
+            catalog.facts.containers = containers
+        take_hf_configs(catalog, root)
         return catalog
 
     def writer(self, dst: Path, **options: Any) -> Any:

@@ -45,7 +45,7 @@ def with_dtype(config: dict[str, Any], dtype: DType | None) -> dict[str, Any]:
 
 def export_config(target: Target) -> dict[str, Any] | None:
     """config.json as the HF export writes it (and the architecture check reads it)."""
-    config = target.attrs.get("hf_config")
+    config = target.facts.hf_config
     return with_dtype(config, compute_dtype(target)) if config is not None else None
 
 

@@ -63,7 +63,7 @@ class HFWriter(SafetensorsWriter):
         self.checked: str | None = None  # the check's notice, once layout has run it
 
     def layout(self, target: Target) -> list[OutputFile]:
-        if "hf_source" not in target.attrs:
+        if target.facts.hf_source is None:
             raise UsageError("--to hf output must be prepared by reshard.features.hf_export.export_catalog (use reshard.convert)")
         config = export_config(target)
         if config is None:  # --weights-only: no config.json, no model to check against
@@ -78,10 +78,10 @@ class HFWriter(SafetensorsWriter):
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:
         if len(files) > 1:  # like save_pretrained: an index only when there are several shards
             super().finish(staging, target, files)
-        config, gen = export_config(target), target.attrs.get("hf_generation_config")
+        config, gen = export_config(target), target.facts.hf_generation_config
         if config is not None:
             write_json(staging / "config.json", config)
-        for name, source in (target.attrs.get("hf_assets") or {}).items():  # tokenizer, chat template...: as they are
+        for name, source in (target.facts.hf_assets or {}).items():  # tokenizer, chat template...: as they are
             if isinstance(source, RemotePath):
                 (staging / name).write_bytes(source.read_bytes())  # small files of an HF folder on a store
             else:
@@ -89,8 +89,8 @@ class HFWriter(SafetensorsWriter):
         if gen is not None and not (staging / "generation_config.json").exists():
             write_json(staging / "generation_config.json", gen)
         if config is not None:
-            (staging / "README.md").write_text(model_card(self.dst.name, target, config, target.attrs["hf_source"], len(files),
+            (staging / "README.md").write_text(model_card(self.dst.name, target, config, target.facts.hf_source or "", len(files),
                                                           checked=self.checked))
 
     def notices(self, target: Target) -> list[str]:
-        return list(target.attrs.get("hf_notices", [])) + ([self.checked] if self.checked else [])
+        return list(target.facts.hf_notices or []) + ([self.checked] if self.checked else [])

@@ -91,7 +91,7 @@ class MegatronFormat:
             raise CheckpointNotFoundError(f"{folder / '.metadata'}: missing (a torch_dist checkpoint is a DCP folder)")
         catalog = DCPFormat().read(folder)
         catalog.format = self.name
-        catalog.attrs.update({"layout": "megatron", "hf_keymap": "megatron-to-hf"})
+        catalog.facts.layout, catalog.facts.hf_keymap = "megatron", "megatron-to-hf"
         common = folder / "common.pt"
         if common.is_file():
             self._merge_common(catalog, common)

@@ -5,7 +5,7 @@ Reading validates every header (see ``safetensors.header``) and every index entr
 trusting it, then hands out one ``StoredRegion`` per tensor: nothing is mmap'd and no tensor
 byte is read until the engine asks for a box. Objects and nested paths that reshard wrote
 come back from ``__metadata__``; other metadata and a folder's ``config.json`` /
-``generation_config.json`` are kept in ``catalog.attrs`` for later exports. A name may be in
+``generation_config.json`` are kept in ``catalog.facts`` for later exports. A name may be in
 several files only as torch's ``HuggingFaceStorageWriter(save_distributed=True)`` stores it,
 each file's ``DCP_SHARDING_INFO`` saying which chunk it holds: those become one tensor with a
 chunk per file, checked to tile it (``dcp_safetensors``). Only a folder's own files are read:
@@ -33,7 +33,7 @@ from reshard.core.catalog import Catalog, NestedPath
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from reshard.core.pieces import OutputFile, Piece
 from reshard.core.regions import StoredRegion
-from reshard.core.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.core.structure import CONTAINERS_KEY, containers_from_json, containers_to_json
 from reshard.core.tagged_json import Unencodable, decode_value, encode_value
 from reshard.core.target import Target
 from reshard.pipeline.options import ConvertOptions
@@ -45,7 +45,15 @@ OBJECTS_KEY = "reshard.objects"
 PATHS_KEY = "reshard.paths"
 _SHARD_PATTERN = "model{suffix}.safetensors"
 _HUB_SHARD_SIZE = "5GB"  # huggingface_hub's default max_shard_size
-_CONFIGS = {"config.json": "hf_config", "generation_config.json": "hf_generation_config"}
+
+
+def take_hf_configs(catalog: Catalog, folder: Path) -> None:
+    """An HF folder's config.json and generation_config.json, where present, into the
+    catalog's facts (for later exports)."""
+    if (folder / "config.json").is_file():
+        catalog.facts.hf_config = _load_json(folder / "config.json", "config.json")
+    if (folder / "generation_config.json").is_file():
+        catalog.facts.hf_generation_config = _load_json(folder / "generation_config.json", "generation_config.json")
 
 
 def _load_json(path: Path, what: str) -> Any:
@@ -184,7 +192,7 @@ def _take_metadata(catalog: Catalog, file: Path, metadata: dict[str, str]) -> No
             raw = json.loads(rest.pop(CONTAINERS_KEY))
         except (ValueError, RecursionError) as e:
             raise CorruptCheckpointError(f"{file}: __metadata__ {CONTAINERS_KEY!r} is not valid JSON ({e})") from None
-        catalog.attrs[CONTAINERS_ATTR] = containers_from_json(raw, f"{file}: __metadata__")
+        catalog.facts.containers = containers_from_json(raw, f"{file}: __metadata__")
     objects = _decode_entries(file, OBJECTS_KEY, rest.pop(OBJECTS_KEY)) if OBJECTS_KEY in rest else {}
     paths = _decode_entries(file, PATHS_KEY, rest.pop(PATHS_KEY)) if PATHS_KEY in rest else {}
     for name, value in objects.items():
@@ -193,7 +201,7 @@ def _take_metadata(catalog: Catalog, file: Path, metadata: dict[str, str]) -> No
         catalog.objects[name] = value
     catalog.paths.update({n: _nested_path(file, n, p) for n, p in paths.items()})
     if rest:
-        catalog.attrs.setdefault("safetensors_metadata", {}).update(rest)
+        catalog.facts.safetensors_metadata = {**(catalog.facts.safetensors_metadata or {}), **rest}
 
 
 class SafetensorsFormat:
@@ -224,9 +232,8 @@ class SafetensorsFormat:
                 parts.setdefault(t.name, []).append((file, region, boxes[t.name] if boxes else None))
             _take_metadata(catalog, file, {k: v for k, v in header.metadata.items() if k not in DCP_KEYS})
         catalog.tensors = {name: assemble(name, ps) for name, ps in parts.items()}
-        for filename, key in _CONFIGS.items():
-            if root is not None and (root / filename).is_file():
-                catalog.attrs[key] = _load_json(root / filename, filename)
+        if root is not None:
+            take_hf_configs(catalog, root)
         return catalog
 
     def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> SafetensorsWriter:
@@ -261,7 +268,7 @@ class SafetensorsWriter:
     then by name), which keeps every tensor aligned to its element size.
 
     ``__metadata__`` of the first file holds ``{"format": "pt"}``, the source's own metadata
-    (``attrs["safetensors_metadata"]``) and, when present, ``reshard.objects`` /
+    (``facts.safetensors_metadata``) and, when present, ``reshard.objects`` /
     ``reshard.paths`` as tagged JSON; other files hold ``{"format": "pt"}``. ``format`` is always
     ``pt`` (the bytes are torch's), whatever the source said.
     """
@@ -287,7 +294,7 @@ class SafetensorsWriter:
         return list(split.filename_to_tensors.items()) or [(_SHARD_PATTERN.format(suffix=""), [])]
 
     def _first_metadata(self, target: Target) -> dict[str, str]:
-        source = target.attrs.get("safetensors_metadata") or {}
+        source = target.facts.safetensors_metadata or {}
         meta = {k: v for k, v in source.items() if isinstance(k, str) and isinstance(v, str)}
         meta["format"] = "pt"
         objects, _ = _encode_objects(target.objects)
@@ -296,7 +303,7 @@ class SafetensorsWriter:
         paths = {n: list(p) for n, p in target.paths.items() if n in target.tensors or n in objects}
         if paths:
             meta[PATHS_KEY] = json.dumps(paths, separators=(",", ":"))
-        containers = target.attrs.get(CONTAINERS_ATTR)
+        containers = target.facts.containers
         if paths and containers:  # int-keyed dicts and tuples, which paths alone rebuild as lists
             meta[CONTAINERS_KEY] = json.dumps(containers_to_json(containers), separators=(",", ":"))
         return meta

@@ -23,7 +23,6 @@ from reshard.formats.torch.ranks_write import (
     read_layout_files,
 )
 from reshard.formats.torch.save import (
-    CONTAINERS_ATTR,
     TORCH_SUFFIXES,
     FlatTree,
     OnDisk,
@@ -40,6 +39,7 @@ from reshard.core.errors import (
     UnsafeCheckpointError,
     UnsupportedFormatError,
 )
+from reshard.core.facts import Facts
 from reshard.core.regions import StoredRegion
 from reshard.core.sharding import Placement, shard_box
 from reshard.core.values import same_value, tensor_digest
@@ -233,7 +233,7 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
     if LAYOUT_KEY in trees[0].leaves:  # written by reshard for a mesh
         return read_layout_files(path, files, trees)
     objects = ObjectTable()
-    catalog = Catalog(format="torch-ranks", path=path, attrs={"source_world_size": len(files)}, objects=objects)
+    catalog = Catalog(format="torch-ranks", path=path, facts=Facts(source_world_size=len(files)), objects=objects)
     names = list(dict.fromkeys(n for t in trees.values() for n in t.leaves))
     placements: dict[str, list[str]] = {}
     per_rank: list[str] = []
@@ -254,9 +254,10 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
             shards = [(r, f, v) for r, f, (_, v) in held]
             catalog.tensors[name] = _sharded_entry(name, shards, len(files), path)
             catalog.paths[name] = nested
-            catalog.attrs.setdefault("source_mesh", leaf.mesh_shape)
-            if leaf.mesh_dim_names:
-                catalog.attrs.setdefault("source_mesh_dim_names", tuple(leaf.mesh_dim_names))
+            if catalog.facts.source_mesh is None:
+                catalog.facts.source_mesh = leaf.mesh_shape
+            if leaf.mesh_dim_names and catalog.facts.source_mesh_dim_names is None:
+                catalog.facts.source_mesh_dim_names = tuple(leaf.mesh_dim_names)
             placements[name] = _placement_names(leaf.placements)
             continue
         # Plain tensors and objects: one value when every rank holds the same one (buffers,
@@ -288,7 +289,7 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
             "unknown (tensor-parallel shards?); if every rank saved the same state, read one file on its own"
         )
     if placements:
-        catalog.attrs["source_placements"] = placements
+        catalog.facts.source_placements = placements
     if trees[0].containers:
-        catalog.attrs[CONTAINERS_ATTR] = trees[0].containers
+        catalog.facts.containers = trees[0].containers
     return catalog

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from reshard.formats.torch.save import (
-    CONTAINERS_ATTR,
     FlatTree,
     build_tree,
     embed_tensors,
@@ -27,6 +26,7 @@ from reshard.formats.torch.zip_write import PieceRef, torch_save_segments
 from reshard.core.boxes import Box, tiles_exactly
 from reshard.core.catalog import Catalog, Chunk, ObjectTable, TensorEntry
 from reshard.core.errors import CorruptCheckpointError, UsageError
+from reshard.core.facts import Facts
 from reshard.core.pieces import OutputFile, Piece
 from reshard.core.regions import StoredRegion
 from reshard.core.sharding import format_placement, parse_placement, rank_coordinate, shard_box
@@ -64,7 +64,7 @@ class TorchRanksWriter:
                       "coordinate": list(rank_coordinate(rank, target.mesh.shape)), "tensors": tensors}
             names = sorted(leaves, key=lambda n: order.get(n, len(order)))
             nested = [(target.nested_path(n), leaves[n]) for n in names] + [((LAYOUT_KEY,), json.dumps(record))]
-            tree = build_tree(nested, target.attrs.get(CONTAINERS_ATTR))
+            tree = build_tree(nested, target.facts.containers)
             files.append(OutputFile(f"rank{rank}.pt", torch_save_segments(tree, records, archive=f"rank{rank}")))
         return files
 
@@ -89,7 +89,7 @@ def _record(tree: FlatTree, file: Path) -> dict[str, Any]:
 def read_layout_files(path: Path, files: dict[int, Path], trees: dict[int, FlatTree]) -> Catalog:
     """A catalog of per-rank files that carry a ``reshard_layout`` record: every shard is
     checked against DTensor's rules for its placements before it is trusted."""
-    catalog = Catalog(format="torch-ranks", path=path, attrs={"source_world_size": len(files)})
+    catalog = Catalog(format="torch-ranks", path=path, facts=Facts(source_world_size=len(files)))
     chunks: dict[str, dict[Box, Chunk]] = {}
     for rank, tree in trees.items():
         file = files[rank]
@@ -135,10 +135,10 @@ def read_layout_files(path: Path, files: dict[int, Path], trees: dict[int, FlatT
         catalog.paths[name] = nested
     catalog.objects = objects
     record0 = _record(trees[0], files[0])
-    catalog.attrs["source_mesh"] = tuple(record0["mesh"]["shape"])
-    catalog.attrs["source_mesh_dim_names"] = tuple(record0["mesh"].get("names", ()))
-    catalog.attrs["source_placements"] = {n: i.get("placements", []) for n, i in record0["tensors"].items()}
+    catalog.facts.source_mesh = tuple(record0["mesh"]["shape"])
+    catalog.facts.source_mesh_dim_names = tuple(record0["mesh"].get("names", ()))
+    catalog.facts.source_placements = {n: i.get("placements", []) for n, i in record0["tensors"].items()}
     if trees[0].containers:
-        catalog.attrs[CONTAINERS_ATTR] = trees[0].containers
+        catalog.facts.containers = trees[0].containers
     return catalog
 

@@ -16,7 +16,7 @@ are not tensors of the catalog. Objects that keep tensors inside something other
 and lists (a deque, a stand-in's arguments) read those tensors when they are asked for.
 
 DCP-style paths cannot tell an int-keyed dict (a plain optimizer's ``state``) from a list,
-nor a tuple from a list: those containers are listed in ``catalog.attrs[CONTAINERS_ATTR]``,
+nor a tuple from a list: those containers are listed in ``catalog.facts.containers``,
 so torch -> torch stays exact while paths from DCP rebuild as lists, as DCP's own
 ``dcp_to_torch_save`` does.
 
@@ -46,7 +46,6 @@ from reshard.core.errors import UnsafeCheckpointError, UnsupportedFormatError, U
 from reshard.core.pieces import OutputFile, Piece, Segment
 from reshard.core.regions import StoredRegion
 from reshard.core.storage import as_location
-from reshard.core.structure import CONTAINERS_ATTR
 from reshard.core.target import Target
 from reshard.pipeline.options import ConvertOptions
 from reshard.safe_pickle.inert import is_refused, refused_name
@@ -54,7 +53,6 @@ from reshard.safe_pickle.unpickler import Unpickled, refusal_message
 from reshard.safe_pickle.walk import find_in
 
 __all__ = [
-    "CONTAINERS_ATTR",
     "TORCH_SUFFIXES",
     "FlatTree",
     "TorchSaveFormat",
@@ -295,7 +293,7 @@ class TorchSaveFormat:
         catalog = Catalog(format=self.name, path=path)
         add_leaves(catalog, flat, path)
         if flat.containers:
-            catalog.attrs[CONTAINERS_ATTR] = flat.containers
+            catalog.facts.containers = flat.containers
         return catalog
 
     def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> TorchSaveWriter:
@@ -328,7 +326,7 @@ class TorchSaveWriter:
         # Keep the source's key order where it is known (a model's state_dict order).
         rank = {name: i for i, name in enumerate(target.paths)}
         order = sorted(leaves, key=lambda n: rank.get(n, len(rank)))
-        tree = build_tree(((target.nested_path(n), leaves[n]) for n in order), target.attrs.get(CONTAINERS_ATTR))
+        tree = build_tree(((target.nested_path(n), leaves[n]) for n in order), target.facts.containers)
         return [OutputFile("", torch_save_segments(tree, records, archive=self.archive))]
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:

@@ -11,7 +11,7 @@ verl's ``FSDPCheckpointManager.save_checkpoint`` writes, on every rank ``r`` of 
 
 and ``huggingface/config.json`` beside them, carried like an HF folder's (``--to hf``). A set
 is absent when verl was told not to save it, and a file holds ``None`` where there was no
-optimizer or scheduler. The catalog records ``attrs["layout"] = "verl"``, the convention
+optimizer or scheduler. The catalog records ``facts.layout = "verl"``, the convention
 (``reshard/core/conventions.py``) that says which section is which, never guessed from names.
 FSDP1 saves ShardedTensors instead of DTensors: refused with one line (``read_set``).
 """
@@ -21,14 +21,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from reshard.formats.safetensors.format import _CONFIGS, _load_json
+from reshard.formats.safetensors.format import take_hf_configs
 from reshard.formats.torch.file import read_torch_file
 from reshard.formats.torch.ranks import complete_set, first_refused, read_set
 from reshard.formats.torch.save import FlatTree, flatten_tree
 
 from reshard.core.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError
-from reshard.core.structure import CONTAINERS_ATTR
+from reshard.core.facts import Facts
 
 __all__ = ["VERL_SETS", "verl_sets", "read_verl"]
 
@@ -85,7 +85,7 @@ def read_verl(path: Path, sets: dict[str, dict[int, Path]]) -> Catalog:
     world = len(next(iter(sets.values())))
     objects = ObjectTable()
     catalog = Catalog(format="torch-ranks", path=path, objects=objects,
-                      attrs={"source_world_size": world, "layout": "verl"})
+                      facts=Facts(source_world_size=world, layout="verl"))
     containers, placements = {}, {}
     for section, part in parts.items():
         for name, entry in part.tensors.items():
@@ -93,17 +93,16 @@ def read_verl(path: Path, sets: dict[str, dict[int, Path]]) -> Catalog:
         for name in part.objects:
             objects.set_lazy(f"{section}.{name}", object_loader(part.objects, name))
         catalog.paths.update({f"{section}.{name}": (section, *nested) for name, nested in part.paths.items()})
-        containers.update({(section, *p): kind for p, kind in (part.attrs.get(CONTAINERS_ATTR) or {}).items()})
-        placements.update({f"{section}.{n}": p for n, p in (part.attrs.get("source_placements") or {}).items()})
-        for key in ("source_mesh", "source_mesh_dim_names"):
-            if key in part.attrs:
-                catalog.attrs.setdefault(key, part.attrs[key])
+        containers.update({(section, *p): kind for p, kind in (part.facts.containers or {}).items()})
+        placements.update({f"{section}.{n}": p for n, p in (part.facts.source_placements or {}).items()})
+        if catalog.facts.source_mesh is None:
+            catalog.facts.source_mesh = part.facts.source_mesh
+        if catalog.facts.source_mesh_dim_names is None:
+            catalog.facts.source_mesh_dim_names = part.facts.source_mesh_dim_names
         catalog.notices += [f"{section}: {n}" for n in part.notices]
     if containers:
-        catalog.attrs[CONTAINERS_ATTR] = containers
+        catalog.facts.containers = containers
     if placements:
-        catalog.attrs["source_placements"] = placements
-    for filename, key in _CONFIGS.items():
-        if (path / _HF_FOLDER / filename).is_file():
-            catalog.attrs[key] = _load_json(path / _HF_FOLDER / filename, filename)
+        catalog.facts.source_placements = placements
+    take_hf_configs(catalog, path / _HF_FOLDER)
     return catalog

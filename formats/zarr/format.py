@@ -44,7 +44,7 @@ from reshard.core.pieces import OutputFile
 from reshard.core.regions import StoredRegion
 from reshard.core.sizes import plural
 from reshard.core.storage import RemotePath
-from reshard.core.structure import CONTAINERS_ATTR, CONTAINERS_KEY, containers_from_json, containers_to_json
+from reshard.core.structure import CONTAINERS_KEY, containers_from_json, containers_to_json
 from reshard.core.tagged_json import Unencodable, decode_value, encode_value
 from reshard.core.target import Target
 from reshard.pipeline.options import ConvertOptions
@@ -55,7 +55,6 @@ OBJECTS_KEY, PATHS_KEY, ATTRS_KEY, MESH_KEY = "reshard.objects", "reshard.paths"
 PICKLED_KEY, PLACEMENTS_ATTR = "reshard.pickled_objects", "reshard.mesh.placements"
 OBJECTS_FILE = ".reshard-objects.pt"  # a leading dot: no tensor name (array node) can take it
 _MAX_CHUNKS = 1 << 21  # a hostile shape / chunk_shape must not make us build millions of chunks
-_LAYOUT_ATTRS = ("target_mesh", "target_placements", "source_world_size", "source_mesh")
 
 
 def _join(prefix: str, key: str) -> str:
@@ -163,18 +162,18 @@ def _take_root_attributes(store: Store, attrs: dict[str, Any], catalog: Catalog)
     if rest.pop(PICKLED_KEY, None):
         catalog.objects.update(_pickled_objects(store, where))
     if CONTAINERS_KEY in rest:
-        catalog.attrs[CONTAINERS_ATTR] = containers_from_json(rest.pop(CONTAINERS_KEY), where)
+        catalog.facts.containers = containers_from_json(rest.pop(CONTAINERS_KEY), where)
     for name, path in _decoded(where, PATHS_KEY, rest.pop(PATHS_KEY, {})).items():
         if not isinstance(path, list) or not all(type(p) in (str, int) for p in path):
             raise CorruptCheckpointError(f"{where}: {PATHS_KEY} entry {name!r} is not a list of keys")
         catalog.paths[name] = tuple(path)
-    catalog.attrs.update(_decoded(where, ATTRS_KEY, rest.pop(ATTRS_KEY, {})))
+    catalog.facts.take_persisted(_decoded(where, ATTRS_KEY, rest.pop(ATTRS_KEY, {})))
     mesh = rest.pop(MESH_KEY, None)
     if isinstance(mesh, dict) and isinstance(mesh.get("shape"), list) and all(type(n) is int for n in mesh["shape"]):
-        catalog.attrs["source_mesh"] = mesh
-        catalog.attrs["source_world_size"] = math.prod(mesh["shape"])
+        catalog.facts.source_mesh = mesh
+        catalog.facts.source_world_size = math.prod(mesh["shape"])
     if rest:
-        catalog.attrs["zarr_attributes"] = rest  # a foreign store's own attributes, written back on export
+        catalog.facts.zarr_attributes = rest  # a foreign store's own attributes, written back on export
 
 
 def read_store(store: Store, location: Path | str) -> Catalog:
@@ -235,12 +234,12 @@ def _encodable(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any
 
 def write_metadata(store: LocalStore, target: Target, arrays: list[ArrayLayout]) -> None:
     """Every array's ``zarr.json``, the objects, and the root ``zarr.json`` last."""
-    placements = target.attrs.get("target_placements") or {}
+    placements = target.facts.target_placements or {}
     for a in arrays:
         attributes = {PLACEMENTS_ATTR: placements[a.name]} if a.name in placements else {}
         store.put(f"{a.name}/{ZARR_JSON}", array_meta_json(a.meta.shape, a.meta.dtype, a.meta.chunk_shape,
                                                            a.meta.codecs, attributes))
-    root: dict[str, Any] = dict(target.attrs.get("zarr_attributes") or {})
+    root: dict[str, Any] = dict(target.facts.zarr_attributes or {})
     objects, pickled = _encodable(target.objects)
     if objects:
         root[OBJECTS_KEY] = objects
@@ -250,10 +249,9 @@ def write_metadata(store: LocalStore, target: Target, arrays: list[ArrayLayout])
     paths = {n: list(p) for n, p in target.paths.items() if (n in target.tensors or n in target.objects) and p != (n,)}
     if paths:
         root[PATHS_KEY] = paths
-        if target.attrs.get(CONTAINERS_ATTR):  # int-keyed dicts and tuples, which paths alone rebuild as lists
-            root[CONTAINERS_KEY] = containers_to_json(target.attrs[CONTAINERS_ATTR])
-    skip = (*_LAYOUT_ATTRS, "zarr_attributes", "layout_given", CONTAINERS_ATTR)
-    attrs, _ = _encodable({k: v for k, v in target.attrs.items() if k not in skip})
+        if target.facts.containers:  # int-keyed dicts and tuples, which paths alone rebuild as lists
+            root[CONTAINERS_KEY] = containers_to_json(target.facts.containers)
+    attrs, _ = _encodable(target.facts.persisted())
     if attrs:
         root[ATTRS_KEY] = attrs
     if target.mesh is not None:

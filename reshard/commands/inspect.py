@@ -49,18 +49,18 @@ _SHOWN = 160
 
 def format_name(catalog: Catalog) -> str:
     """``hf`` for an HF model folder (safetensors or .bin weights beside a config.json)."""
-    return "hf" if catalog.attrs.get("hf_config") is not None and catalog.format in ("safetensors", "hf-bin") \
+    return "hf" if catalog.facts.hf_config is not None and catalog.format in ("safetensors", "hf-bin") \
         else catalog.format
 
 
 def source_mesh(catalog: Catalog) -> dict[str, Any] | None:
     """The mesh the checkpoint was saved on, one shape whatever the reader recorded."""
-    mesh = catalog.attrs.get("source_mesh")
+    mesh = catalog.facts.source_mesh
     if mesh is None:
         return None
     if isinstance(mesh, dict):
         return {"shape": list(mesh.get("shape", [])), "names": list(mesh["names"]) if mesh.get("names") else None}
-    names = catalog.attrs.get("source_mesh_dim_names")
+    names = catalog.facts.source_mesh_dim_names
     return {"shape": list(mesh), "names": list(names) if names else None}
 
 
@@ -133,12 +133,12 @@ def catalog_json(catalog: Catalog, *, chunks_as_text: bool = False) -> dict[str,
     for ``compact_json`` (the CLI's way for big checkpoints), else plain lists."""
     attrs: dict[str, Any] = {}
     schemes, scales = _quantized(catalog)
-    if "source_world_size" in catalog.attrs:
-        attrs["source_world_size"] = catalog.attrs["source_world_size"]
+    if catalog.facts.source_world_size is not None:
+        attrs["source_world_size"] = catalog.facts.source_world_size
     if (mesh := source_mesh(catalog)) is not None:
         attrs["source_mesh"] = mesh
-    if "source_placements" in catalog.attrs:
-        attrs["source_placements"] = _jsonable(catalog.attrs["source_placements"])
+    if catalog.facts.source_placements is not None:
+        attrs["source_placements"] = _jsonable(catalog.facts.source_placements)
     return {
         "format": format_name(catalog),
         "path": str(catalog.path),
@@ -175,8 +175,8 @@ def catalog_header(catalog: Catalog) -> list[str]:
         if layout["unexplained"]:
             lines.append(f"  not model or optimizer state: {', '.join(layout['unexplained'][:8])}"
                          + (f" and {len(layout['unexplained']) - 8} more" if len(layout["unexplained"]) > 8 else ""))
-    if "source_world_size" in catalog.attrs:
-        lines.append(f"world size: {catalog.attrs['source_world_size']}")
+    if catalog.facts.source_world_size is not None:
+        lines.append(f"world size: {catalog.facts.source_world_size}")
     if (mesh := source_mesh(catalog)) is not None:
         lines.append("mesh: " + (", ".join(f"{n}={s}" for n, s in zip(mesh["names"], mesh["shape"])) if mesh["names"]
                                  else "x".join(map(str, mesh["shape"]))))

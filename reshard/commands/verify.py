@@ -25,7 +25,7 @@ from reshard.core.errors import UsageError, option
 from reshard.core.gc_pause import without_gc
 from reshard.core.regions import as_tensor
 from reshard.core.sizes import parse_size, plural
-from reshard.core.structure import CONTAINERS_ATTR, container_steps, describe_steps
+from reshard.core.structure import container_steps, describe_steps
 from reshard.core.values import difference
 from reshard.features.provenance import carry_hf_configs, hf_configs
 from reshard.pipeline.assemble import assemble, assemble_bytes, moves_bytes
@@ -228,7 +228,7 @@ def _compare(a: TensorEntry, b: TensorEntry, atol: float | None, rtol: float | N
 def _structure(catalog: Catalog, name: str) -> tuple[tuple[str, str | int], ...]:
     """Where ``name`` sits in the nested state dict, each step tagged with the container it
     steps through (``dict`` / ``list`` / ``tuple``; an int key of a dict stays an int)."""
-    return container_steps(catalog.nested_path(name), catalog.attrs.get(CONTAINERS_ATTR) or {})
+    return container_steps(catalog.nested_path(name), catalog.facts.containers or {})
 
 
 def _part(catalog: Catalog, only: str) -> Catalog:
@@ -303,7 +303,7 @@ def _verify(a: str | os.PathLike, b: str | os.PathLike, atol: float | None, rtol
         from reshard.features.keymap.lookup import load_keymap
 
         if hf_configs(ca)[0] is None and hf_configs(cb)[0] is not None:  # the export's config says what model it is
-            ca.attrs["hf_config"] = hf_configs(cb)[0]
+            ca.facts.hf_config = hf_configs(cb)[0]
         ca = load_keymap(opts.keymap).apply(ca)
     for catalog in (ca, cb):  # an HF folder's config travels as objects in every conversion of it
         carry_hf_configs(catalog)

@@ -18,6 +18,7 @@ import numpy as np
 from reshard.core import dtypes
 from reshard.core.boxes import Box
 from reshard.core.dtypes import DType
+from reshard.core.facts import Facts
 from reshard.core.sizes import format_size
 
 if TYPE_CHECKING:
@@ -262,8 +263,8 @@ def pick_objects(objects: MutableMapping[str, Any], names: Iterator[str] | list[
 @dataclass
 class Catalog:
     """A checkpoint's contents. ``paths`` gives the nested position of flat names whose
-    nesting cannot be recovered by splitting on dots (DCP's planner_data); ``attrs`` holds
-    provenance (source mesh, HF config...) that writers may record; ``notices`` says what the
+    nesting cannot be recovered by splitting on dots (DCP's planner_data); ``facts`` holds
+    what the reader learned that later steps need (source mesh, HF config...: ``reshard.core.facts``); ``notices`` says what the
     reader had to do that the user should know (per-rank copies named apart...)."""
 
     format: str
@@ -271,7 +272,7 @@ class Catalog:
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     objects: MutableMapping[str, Any] = field(default_factory=dict)  # a dict, or an ObjectTable read lazily
     paths: dict[str, NestedPath] = field(default_factory=dict)
-    attrs: dict[str, Any] = field(default_factory=dict)
+    facts: Facts = field(default_factory=Facts)
     notices: list[str] = field(default_factory=list)
     # What ``conventions.detect_layout`` found, carried by ``dataclasses.replace`` to the next
     # step's catalog (a step that changes the tables or the layout attributes changes the key).

@@ -66,7 +66,7 @@ class Convention:
     # How optimizer state names its parameter: "fqn-key" (state.<fqn>.exp_avg, torch's and
     # most tools'), "key-fqn" (state.exp_avg.<fqn>, Megatron-Core's).
     state_order: str = "fqn-key"
-    # False: only the tool's own reader records this layout (catalog.attrs["layout"]); its
+    # False: only the tool's own reader records this layout (catalog.facts.layout); its
     # names alone are no evidence (verl's per-rank files look like torch's tutorial layout).
     detected: bool = True
     # What a one-file output (a .pt or .safetensors) keeps when no ``only`` is given, and the
@@ -429,14 +429,14 @@ def _disagree(a: Layout, b: Layout, names: Iterable[str]) -> bool:
 
 def detect_layout(catalog: Catalog, override: str | None = None, *, refuse_ambiguous: bool = True) -> Layout:
     """The layout ``catalog`` follows: ``override`` (a convention name), else the one its reader
-    recorded (``catalog.attrs["layout"]``), else the convention that explains it best (a plain
+    recorded (``catalog.facts.layout``), else the convention that explains it best (a plain
     model state dict when nothing else fits). Raises ``AmbiguousLayoutError`` when another
     convention explains it about as well and calls some of its tensors something else, unless
     ``refuse_ambiguous`` is False (a caller whose result does not depend on the layout, such
     as a whole-tensor copy)."""
     # Every step of a conversion asks; the answer holds while the catalog's tables and layout
     # attributes are the ones it was computed from (steps make new catalogs, never edit one).
-    key = (override, catalog.attrs.get("layout"), bool(catalog.attrs.get("layout_given")), refuse_ambiguous,
+    key = (override, catalog.facts.layout, bool(catalog.facts.layout_given), refuse_ambiguous,
            id(catalog.tensors), len(catalog.tensors), id(catalog.objects), len(catalog.objects), id(catalog.paths))
     cache = catalog.detected_layouts
     if key not in cache:
@@ -458,10 +458,10 @@ def convention_named(name: str) -> Convention:
 @without_gc
 def _detect(catalog: Catalog, override: str | None, refuse_ambiguous: bool) -> Layout:
     tensors, objects = list(catalog.tensors), list(catalog.objects)
-    choice = override or catalog.attrs.get("layout")
+    choice = override or catalog.facts.layout
     if choice is not None:
         c = convention_named(choice)
-        how = _GIVEN if override or catalog.attrs.get("layout_given") else _RECORDED
+        how = _GIVEN if override or catalog.facts.layout_given else _RECORDED
         return Layout(c, tensors + objects, _groups_style(c, objects), reason=how)
     heads = _heads(catalog)
     found = [e for c in CONVENTIONS if c.detected and (e := _evidence(c, catalog, heads)) is not None]

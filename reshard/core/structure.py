@@ -3,7 +3,7 @@
 A flat name (``optim.state.0.exp_avg``) cannot say whether ``0`` is a list index or an int
 key of a dict (a plain optimizer's ``state``), nor whether a sequence was a list or a tuple.
 Catalogs keep each name's nested path (``catalog.paths``) and, for containers the keys alone
-would rebuild wrongly, their kind (``catalog.attrs[CONTAINERS_ATTR]``: ``"dict"`` for an
+would rebuild wrongly, their kind (``catalog.facts.containers``: ``"dict"`` for an
 int-keyed dict, ``"tuple"``). This module turns those into what other tools expect:
 torch's DCP names dict keys ``str(key)`` and list items by int index, so an int-keyed dict
 is written with string keys exactly as ``dcp.save`` would, and read back with its int keys
@@ -16,12 +16,11 @@ from collections.abc import Mapping
 
 from reshard.core.catalog import NestedPath
 
-__all__ = ["CONTAINERS_ATTR", "CONTAINERS_KEY", "Containers", "dcp_path", "from_dcp_path", "container_steps", "describe_steps",
+__all__ = ["CONTAINERS_KEY", "Containers", "dcp_path", "from_dcp_path", "container_steps", "describe_steps",
            "containers_to_json", "containers_from_json"]
 
-# catalog.attrs key: {nested path of a container: "dict" | "tuple"} where the keys alone
+# ``Facts.containers``: {nested path of a container: "dict" | "tuple"} where the keys alone
 # would rebuild the wrong type (int keys mean a list otherwise).
-CONTAINERS_ATTR = "torch_containers"
 Containers = Mapping[NestedPath, str]
 # Where formats that store JSON (safetensors metadata, zarr attributes) keep them.
 CONTAINERS_KEY = "reshard.containers"

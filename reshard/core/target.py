@@ -15,6 +15,7 @@ from reshard.core import dtypes
 from reshard.core.boxes import Box
 from reshard.core.catalog import NestedPath
 from reshard.core.dtypes import DType
+from reshard.core.facts import Facts
 from reshard.core.sharding import MeshSpec, Placement
 
 __all__ = ["TargetTensor", "Target"]
@@ -50,7 +51,7 @@ class Target:
     tensors: dict[str, TargetTensor]
     objects: MutableMapping[str, Any]  # a dict, or an ObjectTable read lazily
     paths: dict[str, NestedPath]
-    attrs: dict[str, Any]
+    facts: Facts
     world_size: int = 1
     mesh: MeshSpec | None = None
     notices: list[str] = field(default_factory=list)  # what the layout dropped or changed

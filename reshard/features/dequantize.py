@@ -402,14 +402,14 @@ def dequantized(catalog: Catalog) -> Catalog:
     if CONFIG_OBJECT in objects:
         load = object_loader(catalog.objects, CONFIG_OBJECT)
         objects.set_lazy(CONFIG_OBJECT, lambda: _config_json(load()))
-    attrs = dict(catalog.attrs)
-    if isinstance(attrs.get("hf_config"), dict):
-        attrs["hf_config"] = _without_quantization(attrs["hf_config"])
+    facts = catalog.facts.copy()
+    if isinstance(facts.hf_config, dict):
+        facts.hf_config = _without_quantization(facts.hf_config)
     kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(s.label for s in schemes.values()).items()))
     notice = (f"dequantized {kinds} weights to float32 before the cast ({len(scales)} scale and {len(activations)} "
               "activation-scale tensors dropped, quantization_config removed from the config)" if schemes else
               "quantization_config removed from the config: no quantized weight is left to dequantize")
-    return replace(catalog, tensors=tensors, objects=objects, paths=paths, attrs=attrs,
+    return replace(catalog, tensors=tensors, objects=objects, paths=paths, facts=facts,
                    notices=[*catalog.notices, notice])
 
 

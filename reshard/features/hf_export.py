@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from reshard.core.catalog import Catalog, TensorEntry
 from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
 from reshard.core.errors import UnsupportedFormatError, UsageError
+from reshard.core.facts import Facts
 from reshard.core.json_file import read_json
 from reshard.core.sizes import plural
 from reshard.core.values import same_values
@@ -182,21 +183,21 @@ def _titan_names(layout: str, fqns: list[str], titan: Any) -> str | None:
 def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str | None = None,
                    weights_only: bool = False) -> Catalog:
     """The catalog an HF folder is written from: HF names, model tensors only, config and the
-    side files (tokenizer, chat template, generation config) in attrs.
+    side files (tokenizer, chat template, generation config) in its facts.
 
-    The config comes from ``--config`` (already in ``catalog.attrs``, see ``convert``), the HF
+    The config comes from ``--config`` (already in ``catalog.facts``, see ``convert``), the HF
     folder the checkpoint came from, or the project's training config; with none, the export
     is refused (a folder transformers cannot load is not an export) unless ``weights_only``.
     """
     train = training_config(catalog)
     config, gen = hf_configs(catalog)
     # An HF source's own side files travel as they were: no generation_config.json it never had.
-    carried = config is not None and not catalog.attrs.get("hf_config_given")
+    carried = config is not None and not catalog.facts.hf_config_given
     titan = load_keymap("titan-to-hf")
     notices: list[str] = []
     layout = detect_layout(catalog)
     fqns = [p.fqn for n in catalog.tensors if (p := layout.place(n)).role == PARAM and p.fqn is not None]
-    preset = catalog.attrs.get("hf_keymap")  # the map to HF names a reader recorded (Megatron's)
+    preset = catalog.facts.hf_keymap  # the map to HF names a reader recorded (Megatron's)
     if isinstance(preset, str):
         catalog = load_keymap(preset).apply(catalog)
         notices.append(f"renamed {catalog.format} names to HF names ({preset} key map)")
@@ -229,11 +230,9 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
         gen = generation_config(config)
     if weights_only:
         config, gen, files = None, None, {}
-    attrs: dict[str, Any] = {
-        "hf_config": config, "hf_generation_config": gen, "hf_notices": notices, "hf_assets": files,
-        "hf_source": f"the {catalog.format} checkpoint `{catalog.path.name}`",
-    }
-    return Catalog(catalog.format, catalog.path, tensors=tensors, attrs=attrs, notices=list(catalog.notices),
+    facts = Facts(hf_config=config, hf_generation_config=gen, hf_notices=notices, hf_assets=files,
+                  hf_source=f"the {catalog.format} checkpoint `{catalog.path.name}`")
+    return Catalog(catalog.format, catalog.path, tensors=tensors, facts=facts, notices=list(catalog.notices),
                    renamed_from=origin)
 
 

@@ -298,7 +298,7 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
     weight are added in the model's module order, as PEFT's ``merge_and_unload`` walks it."""
     from reshard.features.architecture import model_facts
 
-    config = catalog.attrs.get("hf_config") or {}
+    config = catalog.facts.hf_config or {}
     facts = model_facts(config) if config else None
     adapter = read_adapter(spec, facts.classes if facts else None)
     tensors = dict(catalog.tensors)
@@ -358,7 +358,7 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
     if adapter.whole:
         notice += (f"; {len(adapter.whole)} tensors replaced by the ones the adapter saves (modules_to_save, base "
                    f"layers): {preview(list(adapter.whole))}")
-    attrs = dict(catalog.attrs)
-    if "hf_source" in attrs:
-        attrs["hf_source"] = f"{attrs['hf_source']}, with the PEFT LoRA adapter `{adapter.label}` merged in ({how})"
-    return replace(catalog, tensors=tensors, attrs=attrs, notices=[*catalog.notices, notice])
+    known = catalog.facts.copy()
+    if known.hf_source is not None:
+        known.hf_source = f"{known.hf_source}, with the PEFT LoRA adapter `{adapter.label}` merged in ({how})"
+    return replace(catalog, tensors=tensors, facts=known, notices=[*catalog.notices, notice])

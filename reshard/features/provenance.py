@@ -23,12 +23,15 @@ __all__ = [
 CONFIG_OBJECT = "hf.config_json"
 GENERATION_OBJECT = "hf.generation_config_json"
 TRAIN_CONFIG_PREFIX = "train.model_config."
-# catalog.attrs keys the safetensors reader fills from an HF folder's side files.
-_ATTRS = {CONFIG_OBJECT: "hf_config", GENERATION_OBJECT: "hf_generation_config"}
+
+
+def _fact(catalog: Catalog, name: str) -> dict[str, Any] | None:
+    """The fact an HF reader fills from the side file that object ``name`` carries."""
+    return catalog.facts.hf_config if name == CONFIG_OBJECT else catalog.facts.hf_generation_config
 
 
 def _carried(catalog: Catalog, name: str) -> dict[str, Any] | None:
-    value = catalog.attrs.get(_ATTRS[name])
+    value = _fact(catalog, name)
     if value is None and name in catalog.objects:
         raw = catalog.objects[name]
         try:
@@ -49,8 +52,8 @@ def carry_hf_configs(catalog: Catalog) -> list[str]:
     """Record an HF source's side files as objects, so they survive a conversion to any format;
     the names of the objects added."""
     added = []
-    for name, attr in _ATTRS.items():
-        value = catalog.attrs.get(attr)
+    for name in (CONFIG_OBJECT, GENERATION_OBJECT):
+        value = _fact(catalog, name)
         if isinstance(value, dict) and name not in catalog.objects:
             catalog.objects[name] = json.dumps(value, sort_keys=True)
             catalog.paths[name] = tuple(name.split("."))

@@ -46,7 +46,7 @@ def mesh_target(
 ) -> Target:
     layout = layout or detect_layout(catalog)
     names, objects = select(catalog, only, layout)
-    source_ranks = catalog.attrs.get("source_world_size")
+    source_ranks = catalog.facts.source_world_size
     private = per_rank_names(names + objects, layout)
     notices = list(catalog.notices)
     if private and source_ranks != mesh.world_size:
@@ -72,14 +72,14 @@ def mesh_target(
         tensors[name] = TargetTensor(name, entry.shape, out_dtype, boxes, ranks, local=local, placements=placements[name])
     notices += casting.notice()
     kept = set(tensors) | set(objects)
-    attrs = dict(catalog.attrs)
-    attrs["target_mesh"] = {"shape": list(mesh.shape), "names": list(mesh.names)}
-    attrs["target_placements"] = {n: [format_placement(p) for p in t.placements or ()] for n, t in tensors.items()}
+    facts = catalog.facts.but(
+        target_mesh={"shape": list(mesh.shape), "names": list(mesh.names)},
+        target_placements={n: [format_placement(p) for p in t.placements or ()] for n, t in tensors.items()})
     return Target(
         tensors=tensors,
         objects=pick_objects(catalog.objects, objects),
         paths={n: p for n, p in catalog.paths.items() if n in kept},
-        attrs=attrs,
+        facts=facts,
         world_size=mesh.world_size,
         mesh=mesh,
         notices=notices,

@@ -33,7 +33,6 @@ from reshard.core.errors import UsageError, option
 from reshard.core.pieces import OutputFile, Piece, SegmentTable, segment_size
 from reshard.core.sizes import plural
 from reshard.core.storage import RemotePath
-from reshard.core.structure import CONTAINERS_ATTR
 from reshard.core.target import Target, TargetTensor
 from reshard.pipeline.byte_runs import Gathered, LayoutColumns, gather_plan
 
@@ -260,7 +259,7 @@ def full_target(catalog: Catalog, *, dtype: DType | None = None, only: str | Non
         tensors=out,
         objects=pick_objects(catalog.objects, objects),
         paths={n: p for n, p in catalog.paths.items() if n in out or n in objects},
-        attrs=dict(catalog.attrs),
+        facts=catalog.facts.copy(),
         notices=[*catalog.notices, *casting.notice()],
         renamed_from={n: s for n, s in catalog.renamed_from.items() if n in out},
     )
@@ -286,10 +285,10 @@ def model_section(catalog: Catalog, layout: Layout) -> Catalog:
     tensors = {fqn[n]: catalog.tensors[n].renamed(fqn[n]) for n in names if n in catalog.tensors}
     objects = ObjectTable({fqn[n]: object_loader(catalog.objects, n) for n in names if n in catalog.objects})
     paths = {fqn[n]: path(n) for n in names if n in catalog.paths}
-    containers = {k[1:]: v for k, v in (catalog.attrs.get(CONTAINERS_ATTR) or {}).items() if k[:1] and k[0] in heads}
-    attrs = {**catalog.attrs, CONTAINERS_ATTR: containers} if heads else dict(catalog.attrs)
-    attrs.pop("layout", None)  # the section is the whole checkpoint now
-    return replace(catalog, tensors=tensors, objects=objects, paths=paths, attrs=attrs)
+    containers = {k[1:]: v for k, v in (catalog.facts.containers or {}).items() if k[:1] and k[0] in heads}
+    facts = catalog.facts.but(containers=containers) if heads else catalog.facts.copy()
+    facts.layout = None  # the section is the whole checkpoint now
+    return replace(catalog, tensors=tensors, objects=objects, paths=paths, facts=facts)
 
 
 def sources_for(entry: TensorEntry, box: Box) -> list[Source]:

@@ -166,13 +166,13 @@ def _section_as_model(catalog: Catalog, section: str) -> Catalog:
         return None if name.startswith("model.") and section != "model" else name
 
     names = {n: moved(n) for n in [*catalog.tensors, *catalog.objects]}
-    out = Catalog(format=catalog.format, path=catalog.path, attrs=dict(catalog.attrs), notices=list(catalog.notices))
+    out = Catalog(format=catalog.format, path=catalog.path, facts=catalog.facts.copy(), notices=list(catalog.notices))
     out.tensors = {new: e.renamed(new) for n, e in catalog.tensors.items() if (new := names[n]) is not None}
     out.objects = ObjectTable({new: object_loader(catalog.objects, n) for n in catalog.objects
                                if (new := names[n]) is not None})
     out.paths = {new: ("model", *p[1:]) if new != n else p
                  for n, p in catalog.paths.items() if (new := names.get(n)) is not None}
-    out.attrs.pop("layout", None)  # what the reader took the names for no longer holds
+    out.facts.layout = None  # what the reader took the names for no longer holds
     dropped = sum(1 for n in catalog.tensors if names[n] is None)
     out.notices.append(f"section={section!r}: its tensors are loaded as the model"
                        + (f"; the checkpoint's own model section ({plural(dropped, 'tensor')}) is not read" if dropped else ""))

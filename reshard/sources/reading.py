@@ -91,7 +91,7 @@ def given_layout(catalog: Catalog, layout: str | None) -> Catalog:
     from reshard.core.conventions import detect_layout
 
     detect_layout(catalog, layout)  # an unknown name is a usage error now, not after a key map
-    return replace(catalog, attrs={**catalog.attrs, "layout": layout, "layout_given": True})
+    return replace(catalog, facts=catalog.facts.but(layout=layout, layout_given=True))
 
 
 def given_config(catalog: Catalog, config: str | os.PathLike | None) -> Catalog:
@@ -103,7 +103,7 @@ def given_config(catalog: Catalog, config: str | os.PathLike | None) -> Catalog:
 
     loaded = load_config(config)
     _refuse_contradiction(catalog, config, loaded)
-    return replace(catalog, attrs={**catalog.attrs, "hf_config": loaded, "hf_config_given": True})
+    return replace(catalog, facts=catalog.facts.but(hf_config=loaded, hf_config_given=True))
 
 
 # What a checkpoint records of its model, as HF config.json keys, from the training loop's
@@ -136,7 +136,7 @@ def _refuse_contradiction(catalog: Catalog, config: str | os.PathLike, given: Ma
     train = training_config(catalog)
     if train:
         records.append(("train.model_config", _model_shape({_TRAIN_KEYS[k]: v for k, v in train.items() if k in _TRAIN_KEYS})))
-    carried = None if catalog.attrs.get("hf_config_given") else hf_configs(catalog)[0]
+    carried = None if catalog.facts.hf_config_given else hf_configs(catalog)[0]
     if carried:
         records.append(("its config.json", _model_shape(carried)))
     for where, recorded in records:

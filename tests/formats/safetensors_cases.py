@@ -12,6 +12,7 @@ import torch
 
 from reshard.core.boxes import full_box
 from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError
+from reshard.core.facts import Facts
 from reshard.core.pieces import OutputFile, Piece
 from reshard.core.target import Target, TargetTensor
 
@@ -63,10 +64,10 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def whole_target(tensors: dict[str, torch.Tensor], objects: dict | None = None,
-                 paths: dict | None = None, attrs: dict | None = None) -> Target:
+                 paths: dict | None = None, facts: Facts | None = None) -> Target:
     return Target(
         tensors={n: TargetTensor(n, tuple(t.shape), t.dtype, [full_box(t.shape)], [0]) for n, t in tensors.items()},
-        objects=objects or {}, paths=paths or {}, attrs=attrs or {},
+        objects=objects or {}, paths=paths or {}, facts=facts or Facts(),
     )
 
 

@@ -58,7 +58,7 @@ def _same(a, b, where: str) -> None:
 
 def test_save_state_folder_is_one_checkpoint(reference: dict, tmp_path: Path) -> None:
     cat = reshard.inspect(CKPT)
-    assert cat.format == "accelerate" and cat.attrs["source_world_size"] == 2
+    assert cat.format == "accelerate" and cat.facts.source_world_size == 2
     from reshard.core.conventions import detect_layout
 
     layout = detect_layout(cat)

@@ -26,7 +26,7 @@ def test_reads_fsdp2_checkpoint_exactly(fsdp2_dcp, fsdp2_reference) -> None:
     assert len(cat.tensors["model.head.weight"].chunks) == 2
     assert cat.objects["extra.step"] == 2 and cat.objects["optim.param_groups.0.betas"] == (0.9, 0.999)
     assert cat.paths["optim.state.embed.weight.exp_avg"] == ("optim", "state", "embed.weight", "exp_avg")
-    assert cat.attrs["source_world_size"] == 3
+    assert cat.facts.source_world_size == 3
 
 
 def test_written_dcp_loads_with_torch(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ def test_hf_shards_become_one_tensor_with_a_chunk_per_file(variants: Path) -> No
     cat = detect_format(variants / "hf_sharded").read(variants / "hf_sharded")
     sharded = cat.tensors["model.sharded"]
     assert sharded.shape == (5, 3) and sorted(c.box.offsets for c in sharded.chunks) == [(0, 0), (3, 0)]
-    assert not any(k.startswith("DCP_") for k in cat.attrs.get("safetensors_metadata", {}))  # not carried on
+    assert not any(k.startswith("DCP_") for k in (cat.facts.safetensors_metadata or {}))  # not carried on
 
 
 @pytest.mark.parametrize("variant", list(REFUSED))

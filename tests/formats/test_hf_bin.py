@@ -53,7 +53,7 @@ def test_bin_folder_to_hf_gives_identical_logits(tiny, kind: str, tmp_path: Path
     assert torch.equal(hf_logits(folder), logits)  # control: transformers reads the fixture itself
     assert detect_format(folder).name == "hf-bin"
     cat = reshard.inspect(folder)
-    assert cat.attrs["hf_config"] == json.loads((src / "config.json").read_text())
+    assert cat.facts.hf_config == json.loads((src / "config.json").read_text())
     out = reshard.convert(folder, tmp_path / "out", to="hf", quiet=True).dst
     assert torch.equal(hf_logits(out), logits)
     assert json.loads((out / "generation_config.json").read_text()) == json.loads((src / "generation_config.json").read_text())

@@ -95,7 +95,7 @@ def test_qkv_is_split_per_query_group() -> None:
     assert torch.equal(_read(hf, "optimizer.state.exp_avg.model.layers.0.self_attn.k_proj.weight"), want)
     fc1 = _read(cat, "decoder.layers.mlp.linear_fc1.weight")[0]
     assert torch.equal(_read(hf, "model.layers.0.mlp.up_proj.weight"), fc1[fc1.shape[0] // 2:])
-    assert "hf_keymap" not in hf.attrs  # applied once: --to hf does not map the HF names again
+    assert hf.facts.hf_keymap is None  # applied once: --to hf does not map the HF names again
 
 
 def test_to_mesh_with_hf_names_keeps_optimizer_state_with_its_parameter(tmp_path: Path) -> None:

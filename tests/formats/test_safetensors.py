@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
+from reshard.core.facts import Facts
 from reshard.pipeline.options import ConvertOptions
 from tests.formats.safetensors_cases import BROKEN, raw_file, reference, same, whole_target, write_layout
 
@@ -50,7 +51,7 @@ def test_reads_save_file_output_exactly(tmp_path: Path) -> None:
     catalog = FMT.read(tmp_path / "m.safetensors")
     assert catalog.format == "safetensors"
     assert_catalog_holds(catalog, ref)
-    assert catalog.attrs["safetensors_metadata"] == {"format": "pt", "note": "hi"}
+    assert catalog.facts.safetensors_metadata == {"format": "pt", "note": "hi"}
     assert catalog.objects == {} and catalog.paths == {}
 
 
@@ -95,7 +96,7 @@ def test_folder_without_index_reads_every_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
     catalog = FMT.read(tmp_path)
     assert_catalog_holds(catalog, {"a": torch.ones(2), "b": torch.zeros(3)})
-    assert catalog.attrs["hf_config"] == {"model_type": "llama", "hidden_size": 8}
+    assert catalog.facts.hf_config == {"model_type": "llama", "hidden_size": 8}
     save_file({"a": torch.ones(1)}, tmp_path / "three.safetensors")
     with pytest.raises(CorruptCheckpointError, match=r"three\.safetensors: tensor 'a' is also stored in .*one"):
         FMT.read(tmp_path)
@@ -229,7 +230,7 @@ def test_objects_and_paths_round_trip_exactly(tmp_path: Path) -> None:
                "extra.scale": torch.ones(2), "extra.cls": object()}
     paths = {"model.w": ("model", "w"), "optim.state.0.step": ("optim", "state", 0, "step"),
              "extra.sched": ("extra", "sched")}
-    target = whole_target(ref, objects, paths, attrs={"safetensors_metadata": {"author": "me"}})
+    target = whole_target(ref, objects, paths, facts=Facts(safetensors_metadata={"author": "me"}))
     writer = FMT.writer(tmp_path / "m.safetensors")
     notices = writer.notices(target)
     assert notices == [
@@ -245,7 +246,7 @@ def test_objects_and_paths_round_trip_exactly(tmp_path: Path) -> None:
     assert catalog.objects["extra.sched"] == sched and repr(catalog.objects["extra.sched"]) == repr(sched)
     assert type(catalog.objects["extra.step"]) is int and math.isnan(catalog.objects["extra.nan"])
     assert catalog.paths == paths
-    assert catalog.attrs["safetensors_metadata"] == {"author": "me", "format": "pt"}
+    assert catalog.facts.safetensors_metadata == {"author": "me", "format": "pt"}
 
 
 def test_sharded_output_matches_huggingface_hub(tmp_path: Path) -> None:

@@ -423,8 +423,8 @@ def test_reads_fsdp2_rank_files_exactly(saved) -> None:
     assert len(cat.tensors["optim.state.head.weight.exp_avg"].chunks) == 2  # two empty shards store nothing
     assert cat.paths["optim.state.embed.weight.exp_avg"] == ("optim", "state", "embed.weight", "exp_avg")
     assert cat.objects["step"] == 1 and cat.objects["optim.param_groups.0.lr"] == 1e-2
-    assert cat.attrs["source_mesh"] == (4,) and cat.attrs["source_world_size"] == 4
-    assert cat.attrs["source_placements"]["model.embed.weight"] == ["Shard(0)"]
+    assert cat.facts.source_mesh == (4,) and cat.facts.source_world_size == 4
+    assert cat.facts.source_placements["model.embed.weight"] == ["Shard(0)"]
 
 
 def test_state_that_differs_per_rank_is_kept_per_rank(saved, tmp_path: Path) -> None:
@@ -449,7 +449,7 @@ def test_state_that_differs_per_rank_is_kept_per_rank(saved, tmp_path: Path) -> 
 def test_reads_hsdp_and_nested_shards(saved) -> None:
     root, ref = saved
     cat = reshard.inspect(root / "hsdp")
-    assert cat.format == "torch-ranks" and cat.attrs["source_mesh"] == (2, 2)
+    assert cat.format == "torch-ranks" and cat.facts.source_mesh == (2, 2)
     for name, t in cat.tensors.items():
         _same(full_tensor(t), ref[f"hsdp.{name}"], name)
     assert [c.box.sizes for c in cat.tensors["up.weight"].chunks] == [(4, 5), (3, 5)]  # replicas once
@@ -753,7 +753,7 @@ def test_reads_verl_checkpoint_folders_exactly(saved, tmp_path: Path) -> None:
     root, ref = saved
     folder = root / "verl"
     cat = reshard.inspect(folder)
-    assert cat.format == "torch-ranks" and cat.attrs["layout"] == "verl" and cat.attrs["source_world_size"] == 4
+    assert cat.format == "torch-ranks" and cat.facts.layout == "verl" and cat.facts.source_world_size == 4
     for name, want in ref.items():
         if name.startswith("verl."):
             _same(full_tensor(cat.tensors[name[5:]]), want, name)

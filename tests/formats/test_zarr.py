@@ -19,6 +19,7 @@ from reshard.formats.zarr.format import ZarrFormat, ZarrWriter
 import reshard
 from reshard.core.boxes import full_box
 from reshard.core.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedFormatError
+from reshard.core.facts import Facts
 from reshard.core.target import Target, TargetTensor
 from tests.dist import run_world
 from tests.fixtures import full_tensor
@@ -92,7 +93,7 @@ def test_to_mesh_4_chunks_are_dim0_shards(fsdp2_dcp, fsdp2_reference, tmp_path: 
         assert np.ascontiguousarray(ts_read(store / name)).tobytes() == raw(ref), name  # padding is right
     assert sharded > 10
     assert json.loads((store / "zarr.json").read_text())["attributes"]["reshard.mesh"] == {"shape": [4], "names": ["dp_shard"]}
-    assert reshard.inspect(store).attrs["source_world_size"] == 4
+    assert reshard.inspect(store).facts.source_world_size == 4
 
 
 def test_zarr_to_dcp_and_safetensors_exact(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
@@ -171,7 +172,7 @@ def test_objects_json_cannot_hold_travel_safely(tmp_path: Path) -> None:
     target = Target(
         tensors={"w": TargetTensor("w", (2, 3), torch.int32, [full_box((2, 3))], [0])},
         objects={"plain": {"lr": 0.1, "inf": float("inf"), "key": (1, 2)}, "held": {"mask": torch.tensor([True, False])}},
-        paths={"w": ("model", "w")}, attrs={"hf_config": {"hidden": 8}},
+        paths={"w": ("model", "w")}, facts=Facts(hf_config={"hidden": 8}),
     )
     store = tmp_path / "o.zarr"
     store.mkdir()
@@ -183,7 +184,7 @@ def test_objects_json_cannot_hold_travel_safely(tmp_path: Path) -> None:
     back = reshard.inspect(store)
     assert back.objects["plain"] == {"lr": 0.1, "inf": float("inf"), "key": (1, 2)}
     assert torch.equal(back.objects["held"]["mask"], torch.tensor([True, False]))
-    assert back.paths["w"] == ("model", "w") and back.attrs["hf_config"] == {"hidden": 8}
+    assert back.paths["w"] == ("model", "w") and back.facts.hf_config == {"hidden": 8}
     assert torch.equal(full_tensor(back.tensors["w"]), t)
     torch.save({"held": Evil()}, store / ".reshard-objects.pt")  # a hostile objects file
     with pytest.raises(UnsafeCheckpointError):

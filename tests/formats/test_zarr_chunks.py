@@ -38,14 +38,14 @@ def test_reads_a_zarr_python_store(tmp_path: Path) -> None:
     z[...] = 0  # all fill: zarr-python writes no chunk at all
     f = root.create_array("filled", shape=(4,), chunks=(2,), dtype="int32", fill_value=7)
     f[:2] = [1, 2]  # the second chunk is never written and reads as 7
-    root.attrs["note"] = "kept"
+    root.attrs["note"] = "kept"  # zarr-python's own attribute API
     catalog = ZarrFormat().read(tmp_path / "zp.zarr")
     assert set(catalog.tensors) == {"model.layers.0.w", "zeros", "filled"}
     assert catalog.paths["model.layers.0.w"] == ("model", "layers.0", "w")  # dots in a node name
     assert torch.equal(full_tensor(catalog.tensors["model.layers.0.w"]), torch.from_numpy(w))
     assert torch.equal(full_tensor(catalog.tensors["zeros"]), torch.zeros(5, dtype=torch.int64))
     assert torch.equal(full_tensor(catalog.tensors["filled"]), torch.tensor([1, 2, 7, 7], dtype=torch.int32))
-    assert catalog.attrs["zarr_attributes"] == {"note": "kept"}
+    assert catalog.facts.zarr_attributes == {"note": "kept"}
     # a sub-box that crosses chunks, through a real conversion
     reshard.convert(tmp_path / "zp.zarr", tmp_path / "out.safetensors", quiet=True)
     from safetensors.torch import load_file

@@ -13,6 +13,7 @@ from reshard.formats.zarr.grid import chunk_segments, default_chunk_shape
 
 import reshard
 from reshard.core.boxes import Box, full_box
+from reshard.core.facts import Facts
 from reshard.core.pieces import Piece
 from reshard.core.target import Target, TargetTensor
 from reshard.pipeline.engine import Engine
@@ -47,7 +48,7 @@ def test_hand_built_shards_become_chunks(tmp_path: Path) -> None:
     target = Target(
         tensors={"w": TargetTensor("w", (5, 10), torch.float32, w_boxes, [0, 1, 2, 3]),
                  "v": TargetTensor("v", (10, 3), torch.int16, v_boxes, [0, 1, 2, 3])},
-        objects={}, paths={}, attrs={}, world_size=4,
+        objects={}, paths={}, facts=Facts(), world_size=4,
     )
     writer = _write(catalog, target, tmp_path / "s.zarr")
     arrays = {a.name: a for a in writer.arrays(target)}
@@ -93,7 +94,7 @@ def test_max_shard_size_caps_chunks(tmp_path: Path) -> None:
 def test_names_zarr_cannot_hold_are_refused(tmp_path: Path) -> None:
     for bad in ("a/b", "__x", "..", ".hidden", "zarr.json"):
         target = Target(tensors={bad: TargetTensor(bad, (1,), torch.float32, [full_box((1,))], [0])},
-                        objects={}, paths={}, attrs={})
+                        objects={}, paths={}, facts=Facts())
         with pytest.raises(reshard.ReshardError, match="cannot be a zarr array name"):
             ZarrWriter().layout(target)
 

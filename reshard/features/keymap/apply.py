@@ -70,7 +70,7 @@ class _Builder:
         self.km, self.src = km, catalog
         self.layout = detect_layout(catalog)
         self.objects = ObjectTable()  # self.out's
-        self.out = Catalog(catalog.format, catalog.path, objects=self.objects, attrs=dict(catalog.attrs),
+        self.out = Catalog(catalog.format, catalog.path, objects=self.objects, facts=catalog.facts.copy(),
                            notices=list(catalog.notices))
         self.found: dict[str, int] = {}
         self.owner: dict[str, str] = {}

@@ -116,8 +116,7 @@ class MegatronToHF:
             raise UsageError(f"{catalog.path}: megatron-to-hf has no HF name for {left[0]!r}"
                              + (f" and {len(left) - 1} more" if len(left) > 1 else "")
                              + "; it maps dense GPT/Llama models (give a JSON key map for others)")
-        attrs = {k: v for k, v in out.attrs.items() if k != "hf_keymap"}  # applied: not again on --to hf
-        return replace(out, attrs=attrs)
+        return replace(out, facts=out.facts.but(hf_keymap=None))  # applied: not again on --to hf
 
     def map_name(self, fqn: str) -> list[str]:
         """HF name(s) of one unstacked Megatron name (``decoder.layers.3.mlp.linear_fc2.weight``)."""

@@ -72,11 +72,11 @@ def _partners(names: list[str]) -> dict[str, tuple[str, ...]]:
 
 def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambda name: False,
               dtype: dtypes.DType | None = None) -> Catalog:
-    """``catalog`` (as ``export_catalog`` leaves it, config in attrs) with every weight this
+    """``catalog`` (as ``export_catalog`` leaves it, config in its facts) with every weight this
     module's rules choose replaced by ``scheme``'s tensors, and the config's
     ``quantization_config`` saying so; ``dtype``: what ``--dtype`` casts the weights to."""
     found = scheme_named(scheme)
-    config = catalog.attrs.get("hf_config")
+    config = catalog.facts.hf_config
     if not isinstance(config, dict):
         raise UsageError(f"{option(f'--quantize {scheme}', 'quantize=')} writes its scheme into config.json; "
                          f"{option('--weights-only', 'weights_only=True')} writes none, so nothing could read the weights")
@@ -123,10 +123,10 @@ def quantized(catalog: Catalog, scheme: str, keep: Callable[[str], bool] = lambd
     if _HEAD_WEIGHT not in tensors:  # tied to the embeddings (the export wrote it once, as save_pretrained does)
         skipped[_HEAD_WEIGHT] = ()  # a quantizer would otherwise make a quantized head and want its scales
     qc = found.config(skipped, len(chosen))
-    attrs = {**catalog.attrs, "hf_config": {**config, "quantization_config": qc}}
+    known = catalog.facts.but(hf_config={**config, "quantization_config": qc})
     kept = "; ".join(f"{why} {len(names)}" for why, names in left.items())
     if partial and found.partial_note:  # a model whose dims are not multiples of the block may have no weight left
         kept += f" ({found.partial_note})"
     notice = (f"quantized {len(chosen)} linear weights to {found.done}; left in the compute dtype: {kept or 'none'} "
               f"(quantization_config.{found.skipped_key}: {preview(qc[found.skipped_key])})")
-    return replace(catalog, tensors=tensors, attrs=attrs, notices=[*catalog.notices, notice])
+    return replace(catalog, tensors=tensors, facts=known, notices=[*catalog.notices, notice])
