@@ -19,11 +19,13 @@ from reshard.core.errors import CheckpointNotFoundError, UnsupportedFormatError,
 from reshard.core.storage import RemotePath
 
 if TYPE_CHECKING:
+    from reshard.pipeline.options import OutputOption
     from reshard.pipeline.protocol import Format
 
 __all__ = ["FormatEntry", "FORMATS", "register_format", "get_format", "detect_format", "write_names",
            "format_for_destination", "default_suffix", "taking", "format_options", "remote_holds", "remote_writes",
-           "format_entry", "mesh_writer", "mesh_formats", "shown_name", "all_suffixes", "FOREIGN_SUFFIXES", "load_target"]
+           "format_entry", "declared_options",
+           "mesh_writer", "mesh_formats", "shown_name", "all_suffixes", "FOREIGN_SUFFIXES", "load_target"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class FormatEntry:
     writes: bool = False  # offered by ``--to``
     suffixes: tuple[str, ...] = ()  # a destination whose name ends so is this format
     default_suffix: str = ""  # of a default output name, for single-file outputs
-    options: tuple[str, ...] = ()  # the format-specific ``ConvertOptions`` its writer uses
+    # "module:NAME" of each output option its writer takes (``OutputOption``: declared where the
+    # format or feature lives; flag, keyword argument and help come from the declaration)
+    options: tuple[str, ...] = ()
     # read from (and, when it writes, written to) fsspec URLs: ``reshard.core.storage``, ``reshard.pipeline.sinks.RemoteSink``
     remote: bool = False
     mesh_writer: str | None = None  # the format that writes this one laid out for a mesh; None: whole tensors only
@@ -57,6 +61,9 @@ FOREIGN_SUFFIXES = frozenset({
     ".engine", ".trt", ".mlmodel", ".tar", ".gz", ".tgz", ".zip", ".pkl", ".pickle"})
 
 
+_MAX_SHARD_SIZE = "reshard.pipeline.options:MAX_SHARD_SIZE"  # taken by several formats
+
+
 # Detection order matters: a DCP folder may also contain other files; an HF folder with both
 # safetensors and .bin weights (the Hub often keeps both) is read as safetensors, as
 # transformers loads it; a folder of per-rank torch files is tried before a single torch file.
@@ -68,13 +75,13 @@ FORMATS: list[FormatEntry] = [
     FormatEntry("accelerate", "reshard.formats.accelerate.format:AccelerateFormat", "an accelerate save_state folder",
                 model_sections=True),
     FormatEntry("zarr", "reshard.formats.zarr.format:ZarrFormat", "a zarr v3 store with zarr.json", writes=True,
-                suffixes=(".zarr",), default_suffix=".zarr", options=("max_shard_size", "compress"), remote=True,
-                mesh_writer="zarr", folder_suffix=".zarr"),
+                suffixes=(".zarr",), default_suffix=".zarr", options=(_MAX_SHARD_SIZE, "reshard.formats.zarr.options:COMPRESS"),
+                remote=True, mesh_writer="zarr", folder_suffix=".zarr"),
     # before torch-ranks: DeepSpeed's per-rank *_optim_states.pt are no DTensor rank files.
     FormatEntry("deepspeed", "reshard.formats.deepspeed.format:DeepSpeedFormat", "a DeepSpeed global_stepN folder"),
     FormatEntry("safetensors", "reshard.formats.safetensors.format:SafetensorsFormat",
                 "*.safetensors or a folder of them", writes=True, suffixes=(".safetensors",),
-                default_suffix=".safetensors", options=("max_shard_size",), remote=True, file_output=True),
+                default_suffix=".safetensors", options=(_MAX_SHARD_SIZE,), remote=True, file_output=True),
     FormatEntry("hf-bin", "reshard.formats.hf.bin:HFBinFormat",
                 "an HF folder with pytorch_model.bin or a *.bin.index.json"),
     FormatEntry("torch-ranks", "reshard.formats.torch.rank_folder:TorchRanksFormat", "a folder of per-rank torch files",
@@ -85,7 +92,9 @@ FORMATS: list[FormatEntry] = [
                 file_output=True),
     # A write target only (an HF model folder); HF folders are detected as safetensors.
     FormatEntry("hf", "reshard.formats.hf.format:HFFormat", "", writes=True,
-                options=("max_shard_size", "hf_assets", "weights_only", "architecture_check", "merge_lora", "quantize"),
+                options=(_MAX_SHARD_SIZE, "reshard.features.hf_options:HF_ASSETS", "reshard.features.hf_options:WEIGHTS_ONLY",
+                         "reshard.features.hf_options:ARCHITECTURE_CHECK", "reshard.features.hf_options:MERGE_LORA",
+                         "reshard.features.quantize.options:QUANTIZE"),
                 remote=True, prepare="reshard.features.hf_export:prepare_hf"),
 ]
 _cache: dict[str, Format] = {}
@@ -204,14 +213,27 @@ def format_for_destination(dst: Path, shown: str | None = None) -> str:
     return found or next(e.name for e in FORMATS if e.default)
 
 
+def declared_options() -> dict[str, OutputOption[Any]]:
+    """Every output option a registered format takes, by name (each declaration imported on
+    first use; they are small modules, so ``--help`` can list them)."""
+    found: dict[str, OutputOption[Any]] = {}
+    for entry in FORMATS:
+        for declared in map(load_target, entry.options):
+            if found.setdefault(declared.name, declared) is not declared:
+                raise UsageError(f"two output options are named {declared.name!r} (format {entry.name}); "
+                                 "a format takes a shared one by naming its declaration")
+    return found
+
+
 def taking(option_name: str) -> list[str]:
-    """The formats whose writers use format-specific option ``option_name``, by name."""
-    return sorted(e.name for e in FORMATS if option_name in e.options)
+    """The formats whose writers take output option ``option_name``, by name."""
+    return sorted(e.name for e in FORMATS if option_name in format_options(e.name))
 
 
 def format_options(name: str) -> tuple[str, ...]:
+    """The names of the output options format ``name``'s writer takes."""
     entry = _entry(name)
-    return entry.options if entry is not None else ()
+    return tuple(load_target(t).name for t in entry.options) if entry is not None else ()
 
 
 def default_suffix(name: str) -> str:

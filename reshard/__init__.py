@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from reshard.commands.verify import VerifyResult, verify
     from reshard.core.catalog import Catalog
     from reshard.features.hub import PushResult, push
-    from reshard.pipeline.options import ConvertOptions, LoadOptions, SourceOptions
+    from reshard.formats.options import ConvertOptions
+    from reshard.pipeline.options import LoadOptions, SourceOptions
     from reshard.runtime.load import LoadResult, load_model, load_state_dict
     from reshard.safe_pickle.unpickler import allow_classes
 
@@ -35,7 +36,7 @@ __version__ = "0.2.0"
 # name -> the module that defines it (imported when the name is first used).
 _LAZY = {
     "convert": "reshard.commands.convert", "ConvertResult": "reshard.commands.convert",
-    "ConvertOptions": "reshard.pipeline.options",
+    "ConvertOptions": "reshard.formats.options",
     "SourceOptions": "reshard.pipeline.options", "LoadOptions": "reshard.pipeline.options",
     "verify": "reshard.commands.verify", "VerifyResult": "reshard.commands.verify",
     "push": "reshard.features.hub", "PushResult": "reshard.features.hub",

@@ -14,15 +14,19 @@ import typer
 
 from reshard.cli.app import app
 from reshard.cli.flags import CLI_ONLY, FLAGS, TARGETS, Flag, flags_of
-from reshard.pipeline.options import ConvertOptions
+from reshard.formats.options import ConvertOptions
+from reshard.formats.registry import declared_options
 
 NOT_ON_THE_COMMAND_LINE = {"workers"}  # ConvertOptions fields only the API sets
 
 
 def _names(target: str) -> dict[str, Any]:
-    """A target's fields or parameters, with their defaults."""
+    """A target's fields or parameters, with their defaults (and ``ConvertOptions``'s output
+    options, declared beside their formats)."""
     module, _, name = target.partition(":")
     obj = getattr(importlib.import_module(module), name)
+    if obj is ConvertOptions:
+        return _conversion_defaults()
     if dataclasses.is_dataclass(obj):
         return {f.name: f.default for f in dataclasses.fields(obj)}
     return {p.name: p.default for p in inspect.signature(obj).parameters.values()}
@@ -47,14 +51,19 @@ def test_every_flag_gives_an_option_its_command_takes_once() -> None:
     # The rule can fail: a flag that maps to no field, or one given twice.
     stray = Flag("max_memroy", ("--max-memroy",), str, "typo", ("convert",))
     assert problems(FLAGS + (stray,)) == [
-        "convert --max-memroy: max_memroy is not an option of reshard.pipeline.options:ConvertOptions"]
+        "convert --max-memroy: max_memroy is not an option of reshard.formats.options:ConvertOptions"]
     twice = Flag("dtype", ("--cast",), str, "again", ("convert",))
     assert problems(FLAGS + (twice,)) == ["convert: field dtype twice"]
 
 
+def _conversion_defaults() -> dict[str, Any]:
+    fields = {f.name: f.default for f in dataclasses.fields(ConvertOptions) if f.name != "output"}
+    return {**fields, **{name: o.default for name, o in declared_options().items()}}
+
+
 def test_convert_exposes_each_conversion_option_once_with_its_default() -> None:
     rows = {f.field: f for f in flags_of("convert")}
-    defaults = {f.name: f.default for f in dataclasses.fields(ConvertOptions)}
+    defaults = _conversion_defaults()
     assert set(defaults) - NOT_ON_THE_COMMAND_LINE == set(rows) - CLI_ONLY | {"quiet"}
     for name, row in rows.items():
         if name in defaults:  # the flag left out means the option's own default

@@ -255,7 +255,7 @@ def test_a_conversion_detects_the_layout_once(monkeypatch) -> None:
     (``exclude``) is detected anew."""
     from reshard.commands.convert import build_target
     from reshard.core import conventions
-    from reshard.pipeline.options import ConvertOptions
+    from reshard.formats.options import ConvertOptions
 
     calls = []
     real = conventions._detect

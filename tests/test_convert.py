@@ -282,7 +282,7 @@ def test_a_library_call_never_starts_a_process_group(fsdp2_dcp, tmp_path: Path, 
 def test_options_as_one_value_or_keywords(fsdp2_dcp, tmp_path: Path) -> None:
     """``ConvertOptions`` is what the CLI builds; keyword arguments override its fields, and a
     misspelt one is a usage error naming the real ones."""
-    from reshard.pipeline.options import ConvertOptions
+    from reshard.formats.options import ConvertOptions
 
     opts = ConvertOptions(only="model", dtype="bfloat16", quiet=True)
     result = reshard.convert(fsdp2_dcp[0], tmp_path / "m.safetensors", opts)

@@ -10,7 +10,7 @@ import pytest
 
 import reshard
 from reshard.core.errors import UsageError
-from reshard.pipeline.options import ConvertOptions
+from reshard.formats.options import ConvertOptions
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
 

@@ -30,7 +30,7 @@ from typing import Any, cast
 from reshard.core.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
 from reshard.core.facts import Facts
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions
 
 __all__ = ["AccelerateFormat", "MODEL_DIR", "OPTIMIZER_DIR", "model_indices"]
 
@@ -97,7 +97,7 @@ class AccelerateFormat:
             catalog.facts.containers = containers
         return catalog
 
-    def writer(self, dst: Path, options: ConvertOptions | None = None) -> Any:
+    def writer(self, dst: Path, options: WriterOptions | None = None) -> Any:
         raise UsageError("accelerate folders are read only: write --to dcp (reshard.load_model resumes from it) "
                          "or --to hf")
 

@@ -40,7 +40,7 @@ from reshard.core.regions import StoredRegion
 from reshard.core.storage import will_read
 from reshard.core.structure import dcp_path, from_dcp_path
 from reshard.core.target import Target
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions
 
 if TYPE_CHECKING:
     import torch
@@ -233,7 +233,7 @@ class DCPFormat:
         catalog.objects = ObjectTable(loaders)
         return catalog
 
-    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> DCPWriter:
+    def writer(self, dst: Path | str, options: WriterOptions | None = None) -> DCPWriter:
         return DCPWriter()
 
 

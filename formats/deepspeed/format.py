@@ -46,7 +46,7 @@ from reshard.core.catalog import Catalog, Chunk
 from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsupportedFormatError, UsageError
 from reshard.core.facts import Facts
 from reshard.core.regions import StoredRegion
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions
 from reshard.safe_pickle.inert import Inert
 
 __all__ = ["DeepSpeedFormat"]
@@ -305,7 +305,7 @@ class DeepSpeedFormat:
             return read_universal(folder)
         return _Zero(zero_files(folder), folder).read()
 
-    def writer(self, dst: Path, options: ConvertOptions | None = None) -> Any:
+    def writer(self, dst: Path, options: WriterOptions | None = None) -> Any:
         raise UsageError("reshard reads DeepSpeed checkpoints but does not write them; convert to dcp, safetensors, "
                          "torch or hf (or --to-mesh for an FSDP2 run)")
 

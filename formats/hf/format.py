@@ -26,7 +26,8 @@ from reshard.core.sizes import parse_size
 from reshard.core.storage import RemotePath
 from reshard.core.target import Target
 from reshard.features.architecture import require_architecture
-from reshard.pipeline.options import ConvertOptions, named
+from reshard.features.hf_options import ARCHITECTURE_CHECK
+from reshard.pipeline.options import WriterOptions, shard_bytes
 
 __all__ = ["HFFormat", "HFWriter"]
 
@@ -44,9 +45,9 @@ class HFFormat:
     def read(self, path: Path) -> Catalog:
         return SafetensorsFormat().read(path)
 
-    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> HFWriter:
-        options = options or ConvertOptions()
-        return HFWriter(dst, max_shard_size=options.shard_bytes, architecture_check=options.architecture_check)
+    def writer(self, dst: Path | str, options: WriterOptions | None = None) -> HFWriter:
+        options = options or WriterOptions()
+        return HFWriter(dst, max_shard_size=shard_bytes(options), architecture_check=options.value(ARCHITECTURE_CHECK))
 
 
 class HFWriter(SafetensorsWriter):
@@ -72,7 +73,7 @@ class HFWriter(SafetensorsWriter):
             self.checked = require_architecture(config, target.tensors, where=str(self.dst), action="write it",
                                                 source_name=lambda n: target.renamed_from.get(n, n))
         else:
-            self.checked = f"not checked against an architecture ({named('architecture_check')})"
+            self.checked = f"not checked against an architecture ({ARCHITECTURE_CHECK.named})"
         return super().layout(target)
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:

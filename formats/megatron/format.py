@@ -32,7 +32,7 @@ from reshard.formats.torch.save import add_leaves, flatten_tree
 
 from reshard.core.catalog import Catalog, Chunk, TensorEntry
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatError, UsageError
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions
 
 __all__ = ["MegatronFormat", "resolve_iteration"]
 
@@ -129,6 +129,6 @@ class MegatronFormat:
             catalog.tensors[name] = TensorEntry(name, (), step.dtype, [Chunk(c.box, c.data) for c in step.chunks])
             catalog.paths[name] = (name,)
 
-    def writer(self, dst: Path, options: ConvertOptions | None = None) -> Any:
+    def writer(self, dst: Path, options: WriterOptions | None = None) -> Any:
         raise UsageError("reshard reads Megatron-Core checkpoints but does not write them; convert to dcp, hf, "
                          "safetensors or torch (or --to-mesh for an FSDP2 run)")

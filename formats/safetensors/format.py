@@ -36,7 +36,7 @@ from reshard.core.regions import StoredRegion
 from reshard.core.structure import CONTAINERS_KEY, containers_from_json, containers_to_json
 from reshard.core.tagged_json import Unencodable, decode_value, encode_value
 from reshard.core.target import Target
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions, shard_bytes
 
 __all__ = ["SafetensorsFormat", "SafetensorsWriter", "INDEX_NAME", "OBJECTS_KEY", "PATHS_KEY"]
 
@@ -236,8 +236,8 @@ class SafetensorsFormat:
             take_hf_configs(catalog, root)
         return catalog
 
-    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> SafetensorsWriter:
-        return SafetensorsWriter(dst, max_shard_size=(options or ConvertOptions()).shard_bytes)
+    def writer(self, dst: Path | str, options: WriterOptions | None = None) -> SafetensorsWriter:
+        return SafetensorsWriter(dst, max_shard_size=shard_bytes(options or WriterOptions()))
 
 
 # ---------------------------------------------------------------------------------- writing

@@ -12,7 +12,7 @@ from reshard.formats.torch.verl import read_verl, verl_sets
 
 from reshard.core.catalog import Catalog
 from reshard.core.errors import CheckpointNotFoundError, ReshardError, UnsafeCheckpointError
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions
 
 __all__ = ["TorchRanksFormat"]
 
@@ -46,5 +46,5 @@ class TorchRanksFormat:
                 raise UnsafeCheckpointError(refused) from e
             raise
 
-    def writer(self, dst: Path, options: ConvertOptions | None = None) -> TorchRanksWriter:
+    def writer(self, dst: Path, options: WriterOptions | None = None) -> TorchRanksWriter:
         return TorchRanksWriter()

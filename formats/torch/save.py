@@ -47,7 +47,7 @@ from reshard.core.pieces import OutputFile, Piece, Segment
 from reshard.core.regions import StoredRegion
 from reshard.core.storage import as_location
 from reshard.core.target import Target
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions
 from reshard.safe_pickle.inert import is_refused, refused_name
 from reshard.safe_pickle.unpickler import Unpickled, refusal_message
 from reshard.safe_pickle.walk import find_in
@@ -296,7 +296,7 @@ class TorchSaveFormat:
             catalog.facts.containers = flat.containers
         return catalog
 
-    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> TorchSaveWriter:
+    def writer(self, dst: Path | str, options: WriterOptions | None = None) -> TorchSaveWriter:
         return TorchSaveWriter(dst)
 
 

@@ -36,6 +36,7 @@ from reshard.formats.torch.zip_write import torch_save_bytes
 from reshard.formats.zarr.chunks import RAW_CODECS, ZSTD_CODECS, Codecs, EncodedChunk, FillChunk, compress
 from reshard.formats.zarr.grid import ArrayLayout, chunk_segments, plan_arrays
 from reshard.formats.zarr.meta import MAX_JSON_SIZE, ZARR_JSON, array_meta_json, group_meta_json, parse_array_meta, parse_json
+from reshard.formats.zarr.options import COMPRESS
 from reshard.formats.zarr.store import LocalStore, Store, open_store
 
 from reshard.core.catalog import Catalog, Chunk, TensorEntry
@@ -47,7 +48,7 @@ from reshard.core.storage import RemotePath
 from reshard.core.structure import CONTAINERS_KEY, containers_from_json, containers_to_json
 from reshard.core.tagged_json import Unencodable, decode_value, encode_value
 from reshard.core.target import Target
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions, shard_bytes
 
 __all__ = ["ZarrFormat", "ZarrWriter", "read_store", "write_metadata", "OBJECTS_FILE"]
 
@@ -206,16 +207,17 @@ class ZarrFormat:
         """A local store folder, or an fsspec URL (``memory://...``, ``s3://...``)."""
         return read_store(open_store(path), str(path) if isinstance(path, RemotePath) else path)
 
-    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> ZarrWriter:
+    def writer(self, dst: Path | str, options: WriterOptions | None = None) -> ZarrWriter:
         """``max_shard_size`` (``--max-shard-size``) caps the chunk size when no mesh sets it.
         Compressed chunks (``compress``) are compressed and decoded whole: ``max_memory`` then
         caps every chunk at an eighth of it, shards or not (``plan_arrays``). The engine holds
         a chunk and its zstd form per worker as it writes; a reader holds a chunk compressed,
         decoded and copied, beside its slabs (``Engine._workers_for``): a reader with the same
         budget then decodes on two workers, not one."""
-        opts = options or ConvertOptions()
-        cap = max(1, opts.budget // 8) if opts.compress else None
-        return ZarrWriter(compress=opts.compress, chunk_bytes=opts.shard_bytes, chunk_cap=cap)
+        opts = options or WriterOptions()
+        compress = opts.value(COMPRESS)
+        cap = max(1, opts.budget // 8) if compress else None
+        return ZarrWriter(compress=compress, chunk_bytes=shard_bytes(opts), chunk_cap=cap)
 
 
 # ---------------------------------------------------------------------------------- writing

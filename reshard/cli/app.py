@@ -21,7 +21,7 @@ from typing import Annotated, Any, Optional
 import typer
 from typer.core import TyperCommand
 
-from reshard.cli.flags import Given, debug_on, takes_flags
+from reshard.cli.flags import Given, debug_on, refresh_flags, takes_flags
 from reshard.core.errors import ReshardError, UsageError, speaking_cli
 from reshard.core.log import to_stderr
 from reshard.core.torch_support import note_newer_torch
@@ -169,7 +169,7 @@ def convert(
     """Convert a checkpoint to another format or mesh, streaming under --max-memory; bit-exact unless --dtype."""
     import reshard
     from reshard.core.sizes import format_size, plural
-    from reshard.pipeline.options import ConvertOptions
+    from reshard.formats.options import ConvertOptions
     from reshard.pipeline.parallel import torchrun_group
 
     options = given.build(ConvertOptions, quiet=given.quiet or given.as_json)
@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with speaking_cli(), to_stderr(logging.DEBUG if debug_on["on"] else logging.INFO):
             note_newer_torch()
+            refresh_flags()
             rv = app(args=argv, standalone_mode=False, prog_name="reshard")
         if rv == 130:  # typer turns Ctrl-C into exit code 130 before we can see it
             _say("reshard: interrupted; no output was left behind")

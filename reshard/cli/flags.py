@@ -1,6 +1,8 @@
 """Every option flag of the command line, in one table: one row per option (the field it
 gives, its flag, type, default, help, and the commands that take it), as formats/registry.py
-is one table of formats.
+is one table of formats. The options only some outputs take are not rows here: each is
+declared beside its format or feature (``reshard.pipeline.options.OutputOption``) and
+``flags_of("convert")`` adds those the registry's formats take.
 
 A command lists only its arguments; ``takes_flags(command)`` adds the table's rows for it as
 typer options and hands the body one ``Given`` value, from which it builds its options
@@ -25,8 +27,11 @@ from typing import Annotated, Any, Optional, TypeVar
 import typer
 
 from reshard.core.conventions import CONVENTIONS  # plain data: no torch import
+from reshard.features.hf_options import ARCHITECTURE_CHECK
+from reshard.formats.registry import declared_options
+from reshard.pipeline.options import OutputOption
 
-__all__ = ["Flag", "FLAGS", "TARGETS", "CLI_ONLY", "Given", "takes_flags", "flags_of", "debug_on"]
+__all__ = ["Flag", "FLAGS", "TARGETS", "CLI_ONLY", "Given", "takes_flags", "refresh_flags", "flags_of", "debug_on"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +51,20 @@ class Flag:
     def flag(self) -> str:
         return self.decls[0]
 
+    @classmethod
+    def declared(cls, declared: OutputOption[Any], commands: tuple[str, ...] = ("convert",), *,
+                 help: str | None = None) -> Flag:
+        """The row of an output option, from its declaration (``help``: another command's words
+        for the same field)."""
+        return cls(declared.name, (declared.flag,), declared.type, declared.help if help is None else help, commands,
+                   default=False if declared.type is bool else None, metavar=declared.metavar, value=declared.from_flag)
+
 
 # What a command's rows may give: the fields of its options, the parameters of the function it
 # calls ("module:name", resolved only by the test), and CLI_ONLY.
 TARGETS: dict[str, tuple[str, ...]] = {
     "inspect": ("reshard.pipeline.options:SourceOptions", "reshard.pipeline.mesh_report:summarize_for_mesh"),
-    "convert": ("reshard.pipeline.options:ConvertOptions",),
+    "convert": ("reshard.formats.options:ConvertOptions",),
     "verify": ("reshard.commands.verify:verify", "reshard.pipeline.options:SourceOptions"),
     "push": ("reshard.features.hub:push",),
     "train": ("reshard.train.loop:TrainConfig", "reshard.train.launch:launch"),
@@ -142,22 +155,9 @@ FLAGS: tuple[Flag, ...] = (
          ("train",)),
     Flag("config", ("--config",), Optional[str], "The model's config: a config.json, an HF folder or a Hub repo id (head "
          "counts for key maps; config.json of --to hf).", ("convert",)),
-    # --- an HF export
-    Flag("hf_assets", ("--hf-assets",), Optional[str], "With --to {takes:hf_assets}: copy the tokenizer, chat template and "
-         "generation config of this folder or Hub repo id.", ("convert",)),
-    Flag("weights_only", ("--weights-only",), bool, "With --to {takes:weights_only}: write the safetensors only, without "
-         "config.json (not loadable by from_pretrained as is).", ("convert",), default=False),
-    Flag("architecture_check", ("--no-architecture-check",), bool, "With --to {takes:architecture_check}: write the export "
-         "even if it is not the model its config.json describes (the model card says it was not checked).", ("convert",),
-         default=False, value=lambda off: not off),
-    Flag("merge_lora", ("--merge-lora",), Optional[str], "With --to {takes:merge_lora}: merge this PEFT LoRA adapter (folder "
-         "or Hub repo id) into the weights, W + scaling * (B @ A) in float32, streamed.", ("convert",), metavar="ADAPTER"),
+    # --- an HF export (its own options are declared beside it: reshard.features.hf_options)
     Flag("keep_dtype", ("--keep-dtype",), Optional[list[str]], "With --dtype or --quantize: tensors whose output name matches "
          "this regex keep their source dtype (repeatable).", ("convert",), metavar="REGEX"),
-    Flag("quantize", ("--quantize",), Optional[str], "With --to {takes:quantize}: store the linear weights quantized: fp8 "
-         "(DeepSeek-V3's float8_e4m3fn with float32 scales per 128x128 block), or compressed-tensors' fp8-dynamic (a "
-         "scale per output channel), fp8-block (per 128x128 block) or nvfp4 (NVFP4A16), for vLLM, SGLang and "
-         "transformers.", ("convert",), metavar="SCHEME"),
     # --- comparing
     Flag("atol", ("--atol",), Optional[float], "Absolute tolerance for floating/complex values (default: exact, bit for bit).",
          ("verify",)),
@@ -168,16 +168,12 @@ FLAGS: tuple[Flag, ...] = (
     # --- how the work runs
     Flag("max_memory", ("--max-memory",), str, "Memory budget for tensor data: 512MiB, 2GiB (or 512M, 2G: binary); 2GB = "
          "2*10^9 bytes.", ("convert", "verify"), default="1GiB", value=_cli_budget),
-    Flag("max_shard_size", ("--max-shard-size",), Optional[str], "Largest file of an output ({takes:max_shard_size}; HF-style "
-         "shards: default 5GB for hf).", ("convert",)),
     Flag("dry_run", ("--dry-run",), bool, "Plan and check everything, print what would be written, write nothing.",
          ("convert",), default=False),
     Flag("overwrite", ("--overwrite",), bool, "Replace DST if it exists (only once the new output is complete).",
          ("convert",), default=False),
     Flag("fsync", ("--fsync",), bool, "Sync the output to disk before it appears (durable across power loss; slower).",
          ("convert",), default=False),
-    Flag("compress", ("--compress",), bool, "zstd-compress the chunks of a {takes:compress} output (smaller, slower; default "
-         "off).", ("convert",), default=False),
     # --- pushing to the Hub
     Flag("private", ("--private",), bool, "Create the repo private.", ("push",), default=False),
     Flag("revision", ("--revision",), Optional[str], "Branch to push to (created if needed).", ("push",)),
@@ -189,8 +185,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("exclude", ("--exclude",), Optional[list[str]], "Do not upload files matching this glob (repeatable).", ("push",)),
     Flag("dry_run", ("--dry-run",), bool, "Check the folder and list what would be sent; no network.", ("push",),
          default=False),
-    Flag("architecture_check", ("--no-architecture-check",), bool, "Push even if the weights are not the model config.json "
-         "describes.", ("push",), default=False, value=lambda off: not off),
+    Flag.declared(ARCHITECTURE_CHECK, ("push",), help="Push even if the weights are not the model config.json describes."),
     # --- training and validating
     Flag("nproc", ("--nproc",), Optional[int], "Ranks to spawn (default: the mesh's size); leave out under torchrun.",
          ("train",)),
@@ -238,8 +233,23 @@ FLAGS: tuple[Flag, ...] = (
 
 
 def flags_of(command: str) -> list[Flag]:
-    """The rows ``command`` takes, in the table's order (its help's order)."""
-    return [f for f in FLAGS if command in f.commands]
+    """The rows ``command`` takes, in its help's order: the table's, and for ``convert`` the
+    output options the registry's formats declare, each below the row its declaration names
+    (``after``), the others last among them."""
+    rows = [f for f in FLAGS if command in f.commands]
+    if command != "convert":
+        return rows
+    declared = list(declared_options().values())
+    last = 0
+    for placed in (True, False):
+        for d in declared:
+            if (d.after is not None) != placed:
+                continue
+            at = next((i + 1 for i, f in enumerate(rows) if f.field == d.after), None) if placed else last
+            at = len(rows) if at is None else at
+            rows.insert(at, Flag.declared(d))
+            last = max(last, at + 1) if placed else at + 1
+    return rows
 
 
 _Options = TypeVar("_Options")
@@ -258,8 +268,10 @@ class Given:
             raise AttributeError(name) from None
 
     def build(self, cls: type[_Options], **override: Any) -> _Options:
-        """``cls`` (a dataclass of options) from the flags that are its fields."""
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # cls is a dataclass
+        """``cls`` (a dataclass of options) from the flags that are its fields (and, for
+        ``ConvertOptions``, the output options it ``accepted``)."""
+        accepted = getattr(cls, "accepted", None)
+        names = set(accepted()) if accepted else {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         return cls(**{**{k: v for k, v in self._values.items() if k in names}, **override})
 
     def kwargs(self, fn: Callable[..., Any], **override: Any) -> dict[str, Any]:
@@ -268,25 +280,39 @@ class Given:
         return {**{k: v for k, v in self._values.items() if k in names}, **override}
 
 
+_COMMANDS: list[tuple[str, Callable[..., Any], list[inspect.Parameter]]] = []  # what takes_flags wrapped
+
+
 def takes_flags(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give the decorated command (its own parameters: arguments, then ``given``) the table's
     flags for ``command`` as typer options, and call it with them as one ``Given``."""
-    rows = flags_of(command)
 
     def wrap(body: Callable[..., Any]) -> Callable[..., Any]:
         own = [p for p in inspect.signature(body, eval_str=True).parameters.values() if p.name != "given"]
-        params = own + [inspect.Parameter(f.field, inspect.Parameter.KEYWORD_ONLY, annotation=_annotation(f),
-                                          default=inspect.Parameter.empty if f.default is ... else f.default)
-                        for f in rows]
 
         def run(**kw: Any) -> Any:
-            values = {f.field: (f.value(kw[f.field]) if f.value else kw[f.field]) for f in rows}
+            values = {f.field: (f.value(kw[f.field]) if f.value else kw[f.field]) for f in flags_of(command)}
             return body(**{p.name: kw[p.name] for p in own}, given=Given(values))
 
         run.__name__, run.__doc__ = body.__name__, body.__doc__
-        run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by typer
+        _COMMANDS.append((command, run, own))
+        _signed(command, run, own)
         return run
     return wrap
+
+
+def refresh_flags() -> None:
+    """Each command's options from the table and the registry as they are now (a format
+    registered after import adds its options): typer reads them when the app is called."""
+    for command, run, own in _COMMANDS:
+        _signed(command, run, own)
+
+
+def _signed(command: str, run: Callable[..., Any], own: list[inspect.Parameter]) -> None:
+    params = own + [inspect.Parameter(f.field, inspect.Parameter.KEYWORD_ONLY, annotation=_annotation(f),
+                                      default=inspect.Parameter.empty if f.default is ... else f.default)
+                    for f in flags_of(command)]
+    run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by typer
 
 
 def _annotation(f: Flag) -> Any:

@@ -21,8 +21,12 @@ from reshard.core.pieces import OutputFile
 from reshard.core.sharding import MeshSpec, parse_mesh
 from reshard.core.sizes import format_size, preview
 from reshard.core.target import Target
+from reshard.features.hf_options import MERGE_LORA
+from reshard.features.quantize.options import QUANTIZE
+from reshard.formats.options import ConvertOptions
 from reshard.formats.registry import (
     all_suffixes,
+    declared_options,
     format_entry,
     format_for_destination,
     format_options,
@@ -35,7 +39,6 @@ from reshard.formats.registry import (
 )
 from reshard.pipeline.engine import Engine, EngineStats
 from reshard.pipeline.mesh_target import mesh_target
-from reshard.pipeline.options import ConvertOptions, named
 from reshard.pipeline.parallel import Workers, current_workers, mark_shared, split_files, world
 from reshard.pipeline.placements import load_placement_plan
 from reshard.pipeline.plan import DtypeKeep, Plan, full_target, make_plan, model_section
@@ -171,7 +174,7 @@ def convert(
     writes nothing.
     """
     start = time.perf_counter()
-    opts = _options(options, given)
+    opts = ConvertOptions.of(given, options)  # checked: the keyword arguments over ``options``'s fields
     # One descriptor per source file for the whole call: the readers that plan (a DCP record's
     # header, sniffed and parsed) and the engine that copies share it (reshard.core.fd_pool).
     reads = FdPool(os.O_RDONLY)
@@ -215,7 +218,7 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
     out = dst_path if dst_path is not None else remote_dst
     assert out is not None  # the DST given, or its default
     check_output_options(Path(out), to, opts)
-    writer = get_format(to).writer(out, opts)
+    writer = get_format(to).writer(out, opts.for_writer())
     with paused_gc():
         files = writer.layout(target)
         plan = make_plan(catalog, files)
@@ -272,17 +275,6 @@ def _refuse_overlap(src: str | os.PathLike, url: str, storage_options: dict | No
         raise UsageError(f"{url}: the output would overwrite or sit inside the source {src}; pick another URL")
 
 
-def _options(options: ConvertOptions | None, given: dict[str, Any]) -> ConvertOptions:
-    """``options`` with the keyword arguments' fields replaced (or the keyword arguments alone);
-    a quantization scheme reshard does not write is refused before anything is read."""
-    opts = ConvertOptions.of(given, options)
-    if opts.quantize is not None:  # the schemes' modules only when one is asked for (start-up)
-        from reshard.features.quantize.registry import scheme_named
-
-        scheme_named(opts.quantize)
-    return opts
-
-
 def check_output_options(dst: Path, to: str, opts: ConvertOptions) -> None:
     """Refuse what only DST shows to be a surprise: a sharded output named as one file. (Options
     its format does not take were refused by ``build_target`` before anything was read; what
@@ -294,14 +286,14 @@ def check_output_options(dst: Path, to: str, opts: ConvertOptions) -> None:
 
 
 def _refuse_options_not_taken(to: str, opts: ConvertOptions, names: list[str]) -> None:
-    """A format-specific option given for a format whose writer does not use it: refused,
-    naming the formats that take it (their registry entries say so)."""
+    """An output option given for a format whose writer does not take it: refused, naming the
+    formats that take it (their registry entries say so)."""
     fmt = shown_name(to)
     for name in names:
         if name not in format_options(fmt):
             *rest, last = taking(name)
             formats = f"{', '.join(rest)} and {last}" if rest else last
-            raise UsageError(f"{named(name)} applies to {formats} outputs, not {fmt}")
+            raise UsageError(f"{declared_options()[name].named} applies to {formats} outputs, not {fmt}")
 
 
 def excluded(catalog: Catalog, globs: str | Sequence[str] | None) -> Catalog:
@@ -327,7 +319,7 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     mesh, placements, dtype, only, keymap = opts.mesh, opts.placements, opts.dtype, opts.only, opts.keymap
     layout, config = opts.layout, opts.config
     # Before anything is read for it (an HF export reads configs, adapters): options this output does not take.
-    _refuse_options_not_taken(to, opts, opts.format_options_set())
+    _refuse_options_not_taken(to, opts, opts.output_options_set())
     prepare = format_entry(to).prepare
     keep = DtypeKeep(opts.keep_dtype)
     catalog = given_layout(catalog, layout)
@@ -340,7 +332,7 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
         catalog = replace(catalog, notices=[*catalog.notices, *layout_notices(told)])
     catalog = given_config(catalog, config)  # what model these tensors are: key maps and the HF export read it
     catalog = excluded(catalog, opts.exclude)
-    if dtype is not None or opts.merge_lora is not None or opts.quantize is not None:
+    if dtype is not None or opts.value(MERGE_LORA) is not None or opts.value(QUANTIZE) is not None:
         # FP8 / MXFP4 weights: dequantized with their scales, never cast or computed on without them
         from reshard.features.dequantize import dequantized
 

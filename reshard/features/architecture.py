@@ -39,7 +39,7 @@ from typing import Any, cast
 from reshard.core.dtypes import by_name
 from reshard.core.errors import CorruptCheckpointError, option
 from reshard.core.sizes import plural
-from reshard.pipeline.options import named
+from reshard.features.hf_options import ARCHITECTURE_CHECK
 from reshard.pipeline.progress import status
 
 __all__ = ["ArchitectureCheck", "ArchitectureMismatchError", "check_architecture", "require_architecture", "COMPUTE_DTYPES",
@@ -191,7 +191,7 @@ def require_architecture(config: Mapping[str, Any], tensors: Mapping[str, Any], 
         raise ArchitectureMismatchError(
             f"{where}: not the {check.architecture} its config.json describes: {check.problems()}; "
             f"{fix or check.hint(source_name)}, "
-            f"or pass {named('architecture_check')} to {action} anyway")
+            f"or pass {ARCHITECTURE_CHECK.named} to {action} anyway")
     return check.notice()
 
 

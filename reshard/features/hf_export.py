@@ -31,12 +31,14 @@ from reshard.core.facts import Facts
 from reshard.core.json_file import read_json
 from reshard.core.sizes import plural
 from reshard.core.values import same_values
+from reshard.features.hf_options import HF_ASSETS, MERGE_LORA, WEIGHTS_ONLY
 from reshard.features.keymap.lookup import load_keymap
 from reshard.features.keymap.maps import titan_family
 from reshard.features.provenance import hf_configs, training_config
+from reshard.features.quantize.options import QUANTIZE
 
 if TYPE_CHECKING:
-    from reshard.pipeline.options import ConvertOptions
+    from reshard.formats.options import ConvertOptions
     from reshard.pipeline.plan import DtypeKeep
 
 __all__ = ["export_catalog", "prepare_hf", "load_config", "find_assets", "read_json", "llama_config", "generation_config",
@@ -240,18 +242,19 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
 def prepare_hf(catalog: Catalog, opts: ConvertOptions, keep: DtypeKeep) -> tuple[Catalog, DtypeKeep]:
     """What ``--to hf`` writes: ``export_catalog``, then the adapter merged in and the weights
     quantized when asked; ``keep`` learns the tensors whose dtype quantization decided."""
-    catalog = export_catalog(catalog, max_memory=opts.budget, assets=None if opts.hf_assets is None else str(opts.hf_assets),
-                             weights_only=opts.weights_only)
-    if opts.merge_lora is not None:  # W + scaling * (B @ A), computed as the weights stream (reshard.features.lora)
+    assets, adapter, scheme = opts.value(HF_ASSETS), opts.value(MERGE_LORA), opts.value(QUANTIZE)
+    catalog = export_catalog(catalog, max_memory=opts.budget, assets=None if assets is None else str(assets),
+                             weights_only=opts.value(WEIGHTS_ONLY))
+    if adapter is not None:  # W + scaling * (B @ A), computed as the weights stream (reshard.features.lora)
         from reshard.features.lora import merged
 
-        catalog = merged(catalog, opts.merge_lora)
-    if opts.quantize is not None:  # quantized values and their scales, computed as they stream (reshard.features.quantize)
+        catalog = merged(catalog, adapter)
+    if scheme is not None:  # quantized values and their scales, computed as they stream (reshard.features.quantize)
         from reshard.core.dtypes import parse_dtype
         from reshard.features.quantize.weights import quantized
         from reshard.pipeline.plan import DtypeKeep
 
         plain = catalog.tensors
-        catalog = quantized(catalog, opts.quantize, keep, dtype=parse_dtype(opts.dtype))
+        catalog = quantized(catalog, scheme, keep, dtype=parse_dtype(opts.dtype))
         keep = DtypeKeep(keep.patterns, fixed=[n for n, t in catalog.tensors.items() if plain.get(n) is not t])
     return catalog, keep

@@ -19,6 +19,7 @@ from typing import Any
 
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, ReshardError, UsageError
 from reshard.core.log import log_notices
+from reshard.features.hf_options import ARCHITECTURE_CHECK
 
 __all__ = ["hub_source", "cached_hub_folder", "hub_files", "check_folder", "push", "PushResult", "LARGE_FOLDER_BYTES"]
 
@@ -175,9 +176,7 @@ def check_folder(folder: Path, *, architecture_check: bool = True, notices: list
         said = require_architecture(config, catalog.tensors, where=str(folder), action="push it",
                                     fix="re-export it with reshard convert SRC --to hf (with --keymap or --config as needed)")
     else:
-        from reshard.pipeline.options import named
-
-        said = f"not checked against an architecture ({named('architecture_check')})"
+        said = f"not checked against an architecture ({ARCHITECTURE_CHECK.named})"
     if notices is not None:
         notices.append(said)
     return _files(folder)

@@ -1,32 +1,35 @@
-"""Every option of a conversion or a load, in one frozen value built once (by the CLI from its
-flags, by ``reshard.convert`` / ``reshard.load_model`` from their keyword arguments) and handed
-down: the planning stages, the engine and each format's writer read the fields they need from it.
+"""How a source is read, how a load runs, and what a format's writer is told: frozen values,
+each built once (by the CLI from its flags, by the API from its keyword arguments) and handed
+down.
 
 ``SourceOptions`` says how a source is opened and named (storage options, layout, allowed
 classes, config, key map); ``convert``, ``verify``, ``inspect`` and the load functions all take
-it, and ``ConvertOptions`` and ``LoadOptions`` are ``SourceOptions`` with what their call adds
+it, and ``LoadOptions`` (here) and ``ConvertOptions`` (``reshard.formats.options``, beside the
+registry that knows every output option) are ``SourceOptions`` with what their call adds
 (``.source`` hands the source's part down alone).
 
-A value is checked when it is built (sizes and the budget's floor, dtype, mesh and layout names,
-class names, options that need another), so the API and the CLI refuse the same things with the
-same message, each naming the option as its caller wrote it, before any source is opened.
+An option only some outputs take is an ``OutputOption``, declared where the format or feature
+that uses it lives (``--max-shard-size`` here, as three formats take it); a format's writer
+gets ``WriterOptions``: the budget and the values given.
 
-Which options a format's writer uses beyond the common ones is declared in its registry entry
-(``FormatEntry.options``); asking another format for one is refused, naming the formats
-that take it.
+A value is checked when it is built (sizes and the budget's floor, layout and class names,
+options that need another), so the API and the CLI refuse the same things with the same
+message, each naming the option as its caller wrote it, before any source is opened.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass, fields, replace
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Generic, Optional, TypeVar, cast
 
 from reshard.core.errors import UsageError, option
 from reshard.core.sizes import parse_size
 
-__all__ = ["SourceOptions", "ConvertOptions", "LoadOptions", "FORMAT_OPTIONS", "MIN_MEMORY", "LOAD_MODES", "check_budget"]
+__all__ = ["SourceOptions", "LoadOptions", "OutputOption", "WriterOptions", "MAX_SHARD_SIZE", "MIN_MEMORY", "LOAD_MODES",
+           "check_budget", "shard_bytes"]
 
 MIN_MEMORY = 1 << 20  # the command line's floor: a smaller --max-memory is a slip (512 meaning 512MiB)
 LOAD_MODES = ("auto", "rank0", "parallel")
@@ -46,18 +49,6 @@ def check_budget(max_memory: str | int, floor: int = 1) -> int:
         raise UsageError(f"{given}: {format_size(budget)} is too small to work in; give at least {format_size(floor)}, "
                          "e.g. 512MiB")
     return budget
-
-# Options only some formats' writers use: name -> (CLI flag, API argument).
-FORMAT_OPTIONS = {
-    "max_shard_size": ("--max-shard-size", "max_shard_size="),
-    "compress": ("--compress", "compress=True"),
-    "hf_assets": ("--hf-assets", "hf_assets="),
-    "weights_only": ("--weights-only", "weights_only=True"),
-    "architecture_check": ("--no-architecture-check", "architecture_check=False"),
-    "merge_lora": ("--merge-lora", "merge_lora="),
-    "quantize": ("--quantize", "quantize="),
-}
-
 
 _Options = TypeVar("_Options", bound="SourceOptions")
 
@@ -143,68 +134,55 @@ class LoadOptions(SourceOptions):
         return parse_size(self.max_memory)
 
 
+# ------------------------------------------------------------------ options only some outputs take
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, eq=False)
+class OutputOption(Generic[T]):
+    """An option only some outputs take, declared once where the format or feature that uses
+    it lives; a registry entry lists the declarations its writer takes. The command line's
+    flag, the API's keyword argument, the check of its value and every message that names it
+    come from this one value."""
+
+    name: str  # the keyword argument of reshard.convert and ConvertOptions
+    flag: str  # the command line's flag
+    help: str  # {takes:NAME} in it: the formats whose entries take it, filled in when help is shown
+    default: T
+    type: Any = Optional[str]  # as typer reads the flag: bool is a switch
+    metavar: str | None = None
+    api: str = ""  # as an API caller writes it in messages (default "NAME=")
+    from_flag: Callable[[Any], T] | None = None  # the flag's value -> the option's (--no-architecture-check -> False)
+    check: Callable[[Any], object] | None = None  # refuses a bad value (a UsageError) when the options are built (never None)
+    casts: bool = False  # it changes dtypes, so --keep-dtype applies with it
+    after: str | None = None  # in `convert --help`, the row of this field comes before it (default: the last)
+
+    @property
+    def named(self) -> str:
+        """The option as its caller writes it (``--compress`` / ``compress=True``)."""
+        return option(self.flag, self.api or f"{self.name}=")
+
+
 @dataclass(frozen=True)
-class ConvertOptions(SourceOptions):
-    to: str | None = None  # output format; default from DST's suffix, else dcp
-    mesh: str | None = None  # "8", "4x8", "dp_shard=4,tp=2": lay the output out for this mesh
-    placements: str | None = None  # fsdp, hsdp, fsdp+tp or a PLAN.json (with mesh)
-    dtype: Any = None  # cast floating-point tensors (a name, a torch dtype or a reshard DType); never integer state
-    only: str | None = None  # "model", "optim" or a name prefix
-    exclude: str | tuple[str, ...] | list[str] | None = None  # globs of names to leave out
-    hf_assets: str | os.PathLike | None = None  # tokenizer and friends for to="hf"
-    weights_only: bool = False  # to="hf" without config.json
-    architecture_check: bool = True  # to="hf": refuse an export that is not the model its config.json describes
-    merge_lora: str | os.PathLike | None = None  # to="hf": a PEFT LoRA adapter folder or repo id, merged in
-    keep_dtype: str | tuple[str, ...] | list[str] | None = None  # regexes of output names dtype= leaves alone
-    quantize: str | None = None  # to="hf": a scheme of reshard.features.quantize.registry.SCHEMES (fp8, fp8-dynamic...)
-    max_memory: str | int = "1GiB"  # the budget for tensor data in flight
-    max_shard_size: str | int | None = None  # largest output file (safetensors, hf, zarr)
-    compress: bool = False  # zstd zarr chunks
-    keep_per_rank: bool = False  # carry per-rank state onto another rank count as it is
-    overwrite: bool = False  # replace an existing output
-    quiet: bool = False  # no progress
-    workers: int | None = None  # copy threads (default: up to 4)
-    fsync: bool = False  # durable against power loss when it appears
-    dry_run: bool = False  # plan and check everything, write nothing
+class WriterOptions:
+    """What a format's writer is told: the conversion's budget, and the values of the output
+    options given (a writer reads those its registry entry takes, ``value``)."""
 
-    _what: ClassVar[str] = "conversion"
+    budget: int = 1 << 30
+    given: Mapping[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_budget(self.max_memory)
-        if self.max_shard_size is not None:
-            parse_size(self.max_shard_size)
-        if self.dtype is not None:
-            from reshard.core.dtypes import parse_dtype
-
-            parse_dtype(self.dtype)
-        if self.mesh is not None:
-            from reshard.core.sharding import parse_mesh
-
-            parse_mesh(self.mesh)
-        elif self.placements is not None:
-            raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")
-        elif self.keep_per_rank:
-            raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'mesh=')} "
-                             "(per-rank state is kept as is otherwise)")
-        if self.keep_dtype and self.dtype is None and self.quantize is None:
-            raise UsageError(f"{option('--keep-dtype', 'keep_dtype=')} applies with {option('--dtype', 'dtype=')} "
-                             f"or {option('--quantize', 'quantize=')} (nothing is cast otherwise)")
-
-    @property
-    def budget(self) -> int:
-        return parse_size(self.max_memory)
-
-    @property
-    def shard_bytes(self) -> int | None:
-        return parse_size(self.max_shard_size) if self.max_shard_size is not None else None
-
-    def format_options_set(self) -> list[str]:
-        """The format-specific options this conversion asks for."""
-        defaults = {f.name: f.default for f in fields(self)}
-        return [name for name in FORMAT_OPTIONS if getattr(self, name) != defaults[name]]
+    def value(self, declared: OutputOption[T]) -> T:
+        return cast(T, self.given.get(declared.name, declared.default))
 
 
-def named(name: str) -> str:
-    """A format-specific option as the caller wrote it."""
-    return option(*FORMAT_OPTIONS[name])
+def shard_bytes(options: WriterOptions) -> int | None:
+    """``MAX_SHARD_SIZE`` in bytes, when given."""
+    size = options.value(MAX_SHARD_SIZE)
+    return parse_size(size) if size is not None else None
+
+
+# The largest file of an output: declared here, as several formats take it (their entries say which).
+MAX_SHARD_SIZE: OutputOption[str | int | None] = OutputOption(
+    "max_shard_size", "--max-shard-size", "Largest file of an output ({takes:max_shard_size}; HF-style shards: default "
+    "5GB for hf).", default=None, check=parse_size, after="max_memory")

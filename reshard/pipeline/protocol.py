@@ -29,7 +29,7 @@ from typing import Protocol
 from reshard.core.catalog import Catalog
 from reshard.core.pieces import OutputFile
 from reshard.core.target import Target
-from reshard.pipeline.options import ConvertOptions
+from reshard.pipeline.options import WriterOptions
 
 __all__ = ["Format", "Writer"]
 
@@ -57,6 +57,6 @@ class Format(Protocol):
 
     def read(self, path: Path) -> Catalog: ...
 
-    def writer(self, dst: Path | str, options: ConvertOptions | None = None) -> Writer:
+    def writer(self, dst: Path | str, options: WriterOptions | None = None) -> Writer:
         """``dst``: a local path, or the URL of an output written to a store (``reshard.pipeline.sinks``)."""
         ...

@@ -19,7 +19,7 @@ from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from reshard.core.facts import Facts
-from reshard.pipeline.options import ConvertOptions
+from reshard.formats.options import ConvertOptions
 from tests.formats.safetensors_cases import BROKEN, raw_file, reference, same, whole_target, write_layout
 
 FMT = SafetensorsFormat()
@@ -251,7 +251,7 @@ def test_objects_and_paths_round_trip_exactly(tmp_path: Path) -> None:
 
 def test_sharded_output_matches_huggingface_hub(tmp_path: Path) -> None:
     ref = reference()
-    writer = FMT.writer(tmp_path / "ours", ConvertOptions(max_shard_size=200))
+    writer = FMT.writer(tmp_path / "ours", ConvertOptions(max_shard_size=200).for_writer())
     files = write_layout(writer, whole_target(ref, {"step": 3}), tmp_path / "ours", ref)
     assert len(files) > 2
     (tmp_path / "theirs").mkdir()
@@ -277,7 +277,7 @@ def test_sharded_output_matches_huggingface_hub(tmp_path: Path) -> None:
 ])
 def test_one_shard_folder(tmp_path: Path, max_shard_size: str | None, names: list[str]) -> None:
     ref = {"w": torch.randn(2, 2), "b": torch.zeros(0)}
-    writer = FMT.writer(tmp_path / "out", ConvertOptions(max_shard_size=max_shard_size))
+    writer = FMT.writer(tmp_path / "out", ConvertOptions(max_shard_size=max_shard_size).for_writer())
     assert writer.output_is_dir
     write_layout(writer, whole_target(ref), tmp_path / "out", ref)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(names)
@@ -286,7 +286,7 @@ def test_one_shard_folder(tmp_path: Path, max_shard_size: str | None, names: lis
 
 def test_no_tensors_still_a_valid_file(tmp_path: Path) -> None:
     target = whole_target({}, {"epoch": 2})
-    write_layout(FMT.writer(tmp_path / "out", ConvertOptions(max_shard_size=100)), target, tmp_path / "out", {})
+    write_layout(FMT.writer(tmp_path / "out", ConvertOptions(max_shard_size=100).for_writer()), target, tmp_path / "out", {})
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["model.safetensors"]  # no empty index
     assert load_file(tmp_path / "out" / "model.safetensors") == {}
     assert FMT.read(tmp_path / "out").objects == {"epoch": 2}
@@ -303,7 +303,7 @@ def test_writer_refuses_what_safetensors_cannot_hold(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="'__metadata__': the header reserves this name"):
         FMT.writer(tmp_path / "o.safetensors").layout(whole_target({"__metadata__": torch.zeros(1)}))
     with pytest.raises(UsageError, match="size '0' must be positive"):
-        FMT.writer(tmp_path / "o", ConvertOptions(max_shard_size="0"))
+        FMT.writer(tmp_path / "o", ConvertOptions(max_shard_size="0").for_writer())
 
 
 def test_an_empty_tensor_with_a_huge_dim_reads_as_safetensors_reads_it(tmp_path: Path) -> None:

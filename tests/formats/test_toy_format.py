@@ -21,7 +21,8 @@ def toy_registered(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(registry, "FORMATS", list(registry.FORMATS))  # the test's own copy of the table
     monkeypatch.setattr(registry, "_cache", dict(registry._cache))
     register_format(FormatEntry("toy", "tests.formats.toy_format:ToyFormat", "a toy folder with toy.json",
-                                writes=True, suffixes=(".toy",), mesh_writer="toy", remote=True), before="torch")
+                                writes=True, suffixes=(".toy",), mesh_writer="toy", remote=True,
+                                options=("tests.formats.toy_format:LEVEL",)), before="torch")
 
 
 def test_a_format_is_one_module_and_one_registry_line(toy_registered, fsdp2_dcp, fsdp2_reference, tmp_path: Path,
@@ -50,6 +51,45 @@ def test_a_format_is_one_module_and_one_registry_line(toy_registered, fsdp2_dcp,
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "junk")]) == 2
     assert "a toy folder with toy.json" in capsys.readouterr().err
+
+
+def test_a_format_declares_its_own_option_in_its_module(toy_registered, fsdp2_dcp, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """``--toy-level`` is declared in tests/formats/toy_format.py and named by the entry alone:
+    the command line offers it (with the entry's formats in its help), the API takes it as a
+    keyword argument, the writer gets its value, its own check refuses a bad one, and other
+    formats refuse it naming toy, as they refuse --compress naming zarr."""
+    import json
+
+    from reshard.formats.options import ConvertOptions
+
+    assert main(["convert", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--toy-level N" in help_text and "How loud a toy output is" in help_text
+    src = str(fsdp2_dcp[0])
+    assert main(["convert", src, str(tmp_path / "cli.toy"), "--only", "model", "--toy-level", "3", "--quiet"]) == 0
+    assert json.loads((tmp_path / "cli.toy" / "toy.json").read_text())["level"] == 3
+    reshard.convert(src, tmp_path / "api.toy", only="model", toy_level=2, quiet=True)
+    assert json.loads((tmp_path / "api.toy" / "toy.json").read_text())["level"] == 2
+    assert ConvertOptions(toy_level=2).output == {"toy_level": 2} and "toy_level" in ConvertOptions.accepted()
+    capsys.readouterr()
+    assert main(["convert", src, str(tmp_path / "zero.toy"), "--toy-level", "0", "--quiet"]) == 2
+    assert "--toy-level 0: a toy level is 1 or more" in capsys.readouterr().err
+    assert main(["convert", src, str(tmp_path / "d"), "--to", "dcp", "--toy-level", "3", "--quiet"]) == 2
+    assert "--toy-level applies to toy outputs, not dcp" in capsys.readouterr().err
+    with pytest.raises(reshard.ReshardError, match="toy_level= applies to toy outputs, not safetensors"):
+        reshard.convert(src, tmp_path / "s.safetensors", toy_level=3)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "zero.toy").exists()
+
+
+def test_without_its_entry_the_option_is_gone(fsdp2_dcp, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The option lives in the toy's module: with no registry entry naming it, nothing offers it."""
+    from reshard.formats.options import ConvertOptions
+
+    assert main(["convert", "--help"]) == 0
+    assert "--toy-level" not in capsys.readouterr().out
+    with pytest.raises(reshard.ReshardError, match="unknown conversion option 'toy_level'"):
+        ConvertOptions.of({"toy_level": 2})
 
 
 def _model(reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
