@@ -46,16 +46,16 @@ _LAZY = {
 }
 
 
-def inspect(path: str | os.PathLike, *, layout: str | None = None, storage_options: dict[str, Any] | None = None,
-            source_options: SourceOptions | None = None) -> Catalog:
+def inspect(path: str | os.PathLike, *, options: SourceOptions | None = None, layout: str | None = None,
+            storage_options: dict[str, Any] | None = None, source_options: SourceOptions | None = None) -> Catalog:
     """The catalog of checkpoint ``path`` (a path, a zarr URL, or a Hub repo id as ``convert``
     takes them): every tensor's shape, dtype and chunks, and the objects. Reads metadata only,
     never tensor data, and does not import torch: a tensor's ``dtype`` is a
     ``reshard.core.dtypes.DType`` (torch's name and width; ``.torch`` gives torch's dtype).
     ``layout`` names the tool whose conventions the checkpoint follows when detection gets it
     wrong (``reshard.core.conventions``); ``storage_options`` are fsspec arguments for a URL.
-    ``source_options`` (a ``SourceOptions``) gives these and the rest of how a source is read
-    as one value: ``allow_classes`` also holds for the catalog's objects read later, ``config``
+    ``options`` (a ``SourceOptions``; ``source_options=`` is its former name) gives these and
+    the rest of how a source is read as one value: ``allow_classes`` also holds for the catalog's objects read later, ``config``
     says what model it is, and ``keymap`` shows the names it renames them to.
 
     >>> cat = reshard.inspect("ckpt/")
@@ -63,11 +63,11 @@ def inspect(path: str | os.PathLike, *, layout: str | None = None, storage_optio
     >>> cat.tensors["model.embed.weight"].dtype.torch is torch.bfloat16
     """
     from reshard.commands.inspect import CatalogReport
-    from reshard.pipeline.options import SourceOptions
+    from reshard.pipeline.options import SourceOptions, former_keyword
     from reshard.sources.reading import given_config, given_layout, read_catalog
 
     given = {k: v for k, v in (("layout", layout), ("storage_options", storage_options)) if v is not None}
-    opts = SourceOptions.of(given, source_options)
+    opts = SourceOptions.of(given, former_keyword("reshard.inspect", "source_options", "options", source_options, options))
     with opts.allowing():
         catalog = given_config(given_layout(read_catalog(path, opts), opts.layout), opts.config)
         if opts.keymap is not None:

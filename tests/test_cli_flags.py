@@ -11,11 +11,11 @@ import inspect
 from typing import Any
 
 import typer
+from reshard.formats.options import ConvertOptions
+from reshard.formats.registry import declared_options
 
 from reshard.cli.app import app
 from reshard.cli.flags import CLI_ONLY, FLAGS, TARGETS, Flag, flags_of
-from reshard.formats.options import ConvertOptions
-from reshard.formats.registry import declared_options
 
 NOT_ON_THE_COMMAND_LINE = {"workers"}  # ConvertOptions fields only the API sets
 
@@ -80,3 +80,24 @@ def test_no_command_defines_an_option_outside_the_table() -> None:
         table = flags_of(name)
         assert [p.opts[0] for p in options] == [f.flag for f in table], name
         assert [p.name for p in options] == [f.field for f in table], name
+
+
+def flags_with_two_meanings(flags: tuple[Flag, ...]) -> dict[str, set[str]]:
+    """Each flag that gives different fields in different commands (a former spelling, hidden
+    and taken with a notice, is not a meaning)."""
+    meanings: dict[str, set[str]] = {}
+    for f in flags:
+        if f.renames is None:
+            meanings.setdefault(f.flag, set()).add(f.field)
+    return {flag: fields for flag, fields in meanings.items() if len(fields) > 1}
+
+
+def test_one_flag_means_one_field_in_every_command() -> None:
+    """``--to-mesh`` is the mesh and ``--config`` the model's HF config wherever they appear
+    (train's ``--config`` preset is ``--model``, validate's ``to_mesh`` is ``mesh``)."""
+    rows = tuple(f for command in TARGETS for f in flags_of(command))
+    assert flags_with_two_meanings(rows) == {}
+    planted = Flag("model", ("--config",), str, "the preset again", ("train",))
+    assert flags_with_two_meanings(rows + (planted,)) == {"--config": {"config", "model"}}
+    for former in (f for f in FLAGS if f.renames):
+        assert former.hidden and former.field in CLI_ONLY, former.flag

@@ -253,9 +253,10 @@ def test_a_conversion_detects_the_layout_once(monkeypatch) -> None:
     they were (notices added by ``dataclasses.replace``): the answer is carried, not
     recomputed (at 100k tensors a detection costs seconds); a step that changes the tables
     (``exclude``) is detected anew."""
+    from reshard.formats.options import ConvertOptions
+
     from reshard.commands.convert import build_target
     from reshard.core import conventions
-    from reshard.formats.options import ConvertOptions
 
     calls = []
     real = conventions._detect

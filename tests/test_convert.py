@@ -285,9 +285,9 @@ def test_options_as_one_value_or_keywords(fsdp2_dcp, tmp_path: Path) -> None:
     from reshard.formats.options import ConvertOptions
 
     opts = ConvertOptions(only="model", dtype="bfloat16", quiet=True)
-    result = reshard.convert(fsdp2_dcp[0], tmp_path / "m.safetensors", opts)
+    result = reshard.convert(fsdp2_dcp[0], tmp_path / "m.safetensors", options=opts)
     assert {v.dtype for v in load_file(result.dst).values()} == {torch.bfloat16}
-    result = reshard.convert(fsdp2_dcp[0], tmp_path / "f.safetensors", opts, dtype=None)
+    result = reshard.convert(fsdp2_dcp[0], tmp_path / "f.safetensors", options=opts, dtype=None)
     assert {v.dtype for v in load_file(result.dst).values()} == {torch.float32}
     with pytest.raises(UsageError, match="unknown conversion option 'dtpye'; the options are .*dtype"):
         reshard.convert(fsdp2_dcp[0], tmp_path / "x.pt", dtpye="bfloat16")

@@ -47,7 +47,8 @@ def test_merge_equals_peft_merge_and_unload(base: Path, variant: str, tmp_path: 
     expected, logits = peft_merged(base, adapter)
     got = _tensors(out)
     # 4KiB (the API takes it; the CLI asks for 1MiB): every adapted weight, 4 KiB and up, in row slabs
-    reshard.convert(base, tmp_path / "slabs", reshard.ConvertOptions(to="hf", merge_lora=adapter, max_memory="4KiB", quiet=True))
+    reshard.convert(base, tmp_path / "slabs",
+                    options=reshard.ConvertOptions(to="hf", merge_lora=adapter, max_memory="4KiB", quiet=True))
     assert all(torch.equal(t, got[n]) for n, t in _tensors(tmp_path / "slabs").items())
     assert sorted(got) == sorted(expected) and not any("lora_" in n for n in got)
     for name, t in expected.items():

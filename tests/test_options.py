@@ -7,10 +7,10 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from reshard.formats.options import ConvertOptions
 
 import reshard
 from reshard.core.errors import UsageError
-from reshard.formats.options import ConvertOptions
 from tests.test_cli import assert_one_line_error
 from tests.test_cli import reshard as run_cli
 
@@ -159,12 +159,12 @@ def test_allowed_classes_hold_for_one_call_only(tmp_path: Path) -> None:
     assert allowed_classes() == frozenset()
     with pytest.raises(UnsafeCheckpointError, match="no_such_pkg.conf.Config"):
         reshard.inspect(tmp_path / "in.pt").objects["args"]
-    catalog = reshard.inspect(tmp_path / "out", source_options=SourceOptions(allow_classes=trusted))
+    catalog = reshard.inspect(tmp_path / "out", options=SourceOptions(allow_classes=trusted))
     assert allowed_classes() == frozenset()
     assert type(catalog.objects["args"]).inert_qualname == "Config"  # a DCP object read after the call: still allowed
     with pytest.raises(UnsafeCheckpointError):
         reshard.inspect(tmp_path / "out").objects["args"]
-    result = reshard.verify(tmp_path / "in.pt", tmp_path / "out", source_options=SourceOptions(allow_classes=trusted))
+    result = reshard.verify(tmp_path / "in.pt", tmp_path / "out", options=SourceOptions(allow_classes=trusted))
     assert result.equal and allowed_classes() == frozenset()
     seen: list[frozenset] = []
     with allowing(trusted):
@@ -177,8 +177,9 @@ def test_allowed_classes_hold_for_one_call_only(tmp_path: Path) -> None:
 
 
 def test_inspect_and_verify_take_source_options(tmp_path: Path) -> None:
-    """One SourceOptions for both: inspect shows the names a key map gives, verify compares
-    across it; the keyword arguments they had still work."""
+    """One SourceOptions for both, as ``options=``: inspect shows the names a key map gives,
+    verify compares across it; the keyword arguments they had still work, and so does the
+    former name ``source_options=``, with a DeprecationWarning."""
     import torch
     from safetensors.torch import save_file
 
@@ -188,8 +189,62 @@ def test_inspect_and_verify_take_source_options(tmp_path: Path) -> None:
     save_file(tensors, tmp_path / "a.safetensors")
     save_file({"w": tensors["_orig_mod.w"]}, tmp_path / "b.safetensors")
     renamed = SourceOptions(keymap="strip-wrappers", layout="state-dict")
-    assert list(reshard.inspect(tmp_path / "a.safetensors", source_options=renamed).tensors) == ["w"]
+    assert list(reshard.inspect(tmp_path / "a.safetensors", options=renamed).tensors) == ["w"]
     assert list(reshard.inspect(tmp_path / "a.safetensors", layout="state-dict").tensors) == ["_orig_mod.w"]
-    assert reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", source_options=renamed).equal
+    assert reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", options=renamed).equal
+    with pytest.warns(DeprecationWarning, match=r"reshard.inspect\(source_options=...\) is now reshard.inspect\(options=...\)"):
+        assert list(reshard.inspect(tmp_path / "a.safetensors", source_options=renamed).tensors) == ["w"]
+    with pytest.warns(DeprecationWarning, match="reshard.verify"):
+        assert reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", source_options=renamed).equal
+    with pytest.raises(UsageError, match="disagree"):
+        reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", options=SourceOptions(), source_options=renamed)
     assert reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors", keymap="strip-wrappers").equal
     assert not reshard.verify(tmp_path / "a.safetensors", tmp_path / "b.safetensors").ok
+
+
+# (function, its inputs): every public function takes these positionally, then options by keyword.
+PUBLIC_SHAPES = [
+    ("reshard:inspect", ("path",)),
+    ("reshard.commands.convert:convert", ("src", "dst")),
+    ("reshard.commands.verify:verify", ("a", "b")),
+    ("reshard.runtime.load:load_model", ("model", "source", "optimizer")),
+    ("reshard.runtime.load:load_state_dict", ("state_dict", "source")),
+    ("reshard.features.hub:push", ("folder", "repo_id")),
+    ("reshard.commands.validate:validate", ("from_mesh", "mesh")),
+]
+
+
+def not_one_shape(function: object, inputs: tuple[str, ...]) -> list[str]:
+    """The parameters of ``function`` that break the API's one shape: its inputs, then keyword
+    options only."""
+    import inspect as pyinspect
+
+    params = list(pyinspect.signature(function).parameters.values())
+    wrong = [f"input {p.name}" for p, want in zip(params, inputs) if p.name != want]
+    return wrong + [f"{p.name} is positional" for p in params[len(inputs):] if p.kind not in (p.KEYWORD_ONLY, p.VAR_KEYWORD)]
+
+
+@pytest.mark.parametrize("target, inputs", PUBLIC_SHAPES)
+def test_every_public_function_takes_inputs_then_keyword_options(target: str, inputs: tuple[str, ...]) -> None:
+    import importlib
+
+    module, _, name = target.partition(":")
+    assert not_one_shape(getattr(importlib.import_module(module), name), inputs) == []
+
+
+def test_the_shape_rule_sees_a_positional_option() -> None:
+    def load(model, source, optimizer=None, mode="auto", *, options=None): ...
+
+    assert not_one_shape(load, ("model", "source", "optimizer")) == ["mode is positional"]
+
+
+def test_validate_takes_the_mesh_as_convert_does() -> None:
+    """``--to-mesh`` is ``mesh`` in every command; validate's former ``to_mesh=`` still works,
+    with a DeprecationWarning (checked before any rank is spawned)."""
+    from reshard.commands.validate import validate
+
+    with pytest.warns(DeprecationWarning, match=r"validate\(to_mesh=...\) is now validate\(mesh=...\)"):
+        with pytest.raises(UsageError, match="--via"):
+            validate("2", to_mesh="3", via=())
+    with pytest.raises(UsageError, match="validate needs mesh="):
+        validate("2")

@@ -127,7 +127,7 @@ def inspect(src: Src, given: Given) -> None:
     import reshard
     from reshard.commands.inspect import catalog_header, catalog_json, catalog_table
 
-    catalog = reshard.inspect(src, source_options=given.build(SourceOptions))
+    catalog = reshard.inspect(src, options=given.build(SourceOptions))
     summary = None
     if given.mesh is not None:
         from reshard.pipeline.mesh_report import summarize_for_mesh
@@ -174,7 +174,7 @@ def convert(
 
     options = given.build(ConvertOptions, quiet=given.quiet or given.as_json)
     with torchrun_group() as rank:  # under torchrun the ranks split the work; rank 0 reports
-        result = reshard.convert(src, dst, options)
+        result = reshard.convert(src, dst, options=options)
     if rank != 0:
         return
     if given.as_json:
@@ -220,7 +220,7 @@ def verify(
         raise UsageError("verify needs two checkpoints: reshard verify A B (or one folder: reshard verify --quick DIR)")
     else:
         result = reshard.verify(a, b, **given.kwargs(reshard.verify, progress=not (given.quiet or given.as_json),
-                                                     source_options=given.build(SourceOptions)))
+                                                     options=given.build(SourceOptions)))
     if given.as_json:
         _emit_json("verify", {**result.to_json(), "quick": quick})
     else:
@@ -273,14 +273,11 @@ def push(
 @app.command(cls=_Command, epilog=_examples(
     ("spawns 2 gloo ranks on CPU", "reshard train --to-mesh 2 --steps 4 --ckpt-dir runs/a"),
     ("continue on 3 ranks", "reshard train --to-mesh 3 --steps 8 --resume runs/a --ckpt-dir runs/a"),
-    ("", "torchrun --nproc_per_node 8 -m reshard train --to-mesh 2x4 --config 100m")))
+    ("", "torchrun --nproc_per_node 8 -m reshard train --to-mesh 2x4 --model 100m")))
 @takes_flags("train")
 def train(given: Given) -> None:
     """Train the project's Llama-style model with FSDP2 on synthetic data (spawns --nproc ranks, or runs under torchrun)."""
-    mesh, former_mesh = given.mesh, given.former_mesh
-    if mesh is not None and former_mesh is not None and mesh != former_mesh:
-        raise UsageError(f"--to-mesh {mesh} and --mesh {former_mesh} disagree; --mesh is --to-mesh's former name")
-    mesh = mesh or former_mesh
+    mesh = given.mesh
     if mesh is None:
         raise UsageError("train needs --to-mesh: the mesh to train on (N, RxS or dp_replicate=R,dp_shard=S)")
     from reshard.train.launch import launch

@@ -27,6 +27,8 @@ from typing import Annotated, Any, Optional, TypeVar
 import typer
 
 from reshard.core.conventions import CONVENTIONS  # plain data: no torch import
+from reshard.core.errors import UsageError
+from reshard.core.log import log_notices
 from reshard.features.hf_options import ARCHITECTURE_CHECK
 from reshard.formats.registry import declared_options
 from reshard.pipeline.options import OutputOption
@@ -46,6 +48,7 @@ class Flag:
     value: Callable[[Any], Any] | None = None  # the flag's value -> the option's (--no-architecture-check -> False)
     callback: Callable[[Any], Any] | None = None  # run as typer parses it, before any command's work
     hidden: bool = False
+    renames: str | None = None  # a former spelling: the field its value gives (said in a notice)
 
     @property
     def flag(self) -> str:
@@ -70,7 +73,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "train": ("reshard.train.loop:TrainConfig", "reshard.train.launch:launch"),
     "validate": ("reshard.commands.validate:validate",),
 }
-CLI_ONLY = frozenset({"as_json", "debug", "quiet", "quick", "former_mesh"})
+CLI_ONLY = frozenset({"as_json", "debug", "quiet", "quick", "former_mesh", "former_model"})
 
 # --debug: per call of ``reshard.cli.app.main``, which resets it; the flag's callback turns it on.
 debug_on: dict[str, bool] = {"on": False}
@@ -132,7 +135,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("mesh", ("--to-mesh",), Optional[str], "Data-parallel mesh to train on: N (FSDP), RxS or dp_replicate=R,dp_shard=S "
          "(HSDP).", ("train",)),
     Flag("from_mesh", ("--from-mesh",), str, "Mesh the checkpoint is trained and saved on.", ("validate",), default=...),
-    Flag("to_mesh", ("--to-mesh",), str, "Mesh every converted checkpoint is resumed on.", ("validate",), default=...),
+    Flag("mesh", ("--to-mesh",), str, "Mesh every converted checkpoint is resumed on.", ("validate",), default=...),
     Flag("placements", ("--placements",), Optional[str], "With --to-mesh: fsdp (1-D default), hsdp (2-D default), fsdp+tp "
          "(default for dp_shard=S,tp=T), or a PLAN.json.", ("inspect", "convert")),
     Flag("keep_per_rank", ("--keep-per-rank",), bool, "With --to-mesh on another rank count: carry per-rank state (RNG, data "
@@ -199,7 +202,7 @@ FLAGS: tuple[Flag, ...] = (
          default=0),
     Flag("resume", ("--resume",), Optional[Path], "Checkpoint to resume from, in any format and from any mesh (or a "
          "--ckpt-dir: its latest step).", ("train",), value=_path_text),
-    Flag("model", ("--config",), str, "Model config preset: tiny, small or 100m.", ("train", "validate"), default="tiny"),
+    Flag("model", ("--model",), str, "Model config preset: tiny, small or 100m.", ("train", "validate"), default="tiny"),
     Flag("tie_embeddings", ("--tie-embeddings",), bool, "Share the embedding with the output projection.", ("train",),
          default=False),
     Flag("global_batch", ("--global-batch",), int, "Samples per step over all ranks (divisible by the rank count).",
@@ -228,7 +231,9 @@ FLAGS: tuple[Flag, ...] = (
          value=_storage_options),
     Flag("debug", ("--debug",), bool, "Show the full traceback on errors, and debug detail.", _ALL, default=False,
          callback=_debug),
-    Flag("former_mesh", ("--mesh",), Optional[str], "", ("train",), hidden=True),  # --to-mesh's former name
+    # Former spellings, hidden: still taken, with a notice naming the flag that means the same in every command.
+    Flag("former_mesh", ("--mesh",), Optional[str], "", ("train",), hidden=True, renames="mesh"),
+    Flag("former_model", ("--config",), Optional[str], "", ("train", "validate"), hidden=True, renames="model"),
 )
 
 
@@ -291,7 +296,10 @@ def takes_flags(command: str) -> Callable[[Callable[..., Any]], Callable[..., An
         own = [p for p in inspect.signature(body, eval_str=True).parameters.values() if p.name != "given"]
 
         def run(**kw: Any) -> Any:
-            values = {f.field: (f.value(kw[f.field]) if f.value else kw[f.field]) for f in flags_of(command)}
+            rows = flags_of(command)
+            values = {f.field: (f.value(kw[f.field]) if f.value else kw[f.field]) for f in rows}
+            for former in (f for f in rows if f.renames):
+                _take_former(former, next(f for f in rows if f.field == former.renames), values)
             return body(**{p.name: kw[p.name] for p in own}, given=Given(values))
 
         run.__name__, run.__doc__ = body.__name__, body.__doc__
@@ -299,6 +307,19 @@ def takes_flags(command: str) -> Callable[[Callable[..., Any]], Callable[..., An
         _signed(command, run, own)
         return run
     return wrap
+
+
+def _take_former(former: Flag, now: Flag, values: dict[str, Any]) -> None:
+    """A value given under a flag's former spelling, as its field's, with a notice; refused
+    when the current spelling says otherwise."""
+    given = values.pop(former.field)
+    if given is None:
+        return
+    current = values.get(now.field)
+    if current not in (None, now.default) and current != given:
+        raise UsageError(f"{now.flag} {current} and {former.flag} {given} disagree; {former.flag} is {now.flag}'s former name")
+    values[now.field] = given
+    log_notices([f"{former.flag} is now {now.flag} (one flag, one meaning in every command); {former.flag} will go"])
 
 
 def refresh_flags() -> None:

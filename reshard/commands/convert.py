@@ -131,6 +131,7 @@ def _check_unchanged(before: dict[Path, tuple[int, int]]) -> None:
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike | None = None,
+    *,
     options: ConvertOptions | None = None,
     **given: Any,
 ) -> ConvertResult:

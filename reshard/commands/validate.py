@@ -31,6 +31,7 @@ from typing import Any
 from reshard.core.errors import ReshardError, UsageError
 from reshard.core.sizes import plural
 from reshard.formats.registry import default_suffix
+from reshard.pipeline.options import former_keyword
 
 __all__ = ["PATHS", "PathResult", "ValidateResult", "validate", "convert_path", "format_table"]
 
@@ -173,19 +174,21 @@ def _compare(row: PathResult, resumed: dict[str, Any], reference: dict[int, floa
 
 def validate(
     from_mesh: str,
-    to_mesh: str,
+    mesh: str | None = None,
+    *,
     steps: int = 3,
     via: tuple[str, ...] | list[str] = PATHS,
-    *,
     model: str = "tiny",
     global_batch: int = 12,
     rtol: float = 1e-4,
     workdir: str | os.PathLike | None = None,
     device: str = "cpu",
     timeout: float = 1800.0,
+    to_mesh: str | None = None,
 ) -> ValidateResult:
     """Train ``steps`` on ``from_mesh``, convert through each path in ``via``, resume each on
-    ``to_mesh`` for ``steps`` more, and compare with an uninterrupted ``2 * steps`` run.
+    ``mesh`` (``--to-mesh``, as in ``convert`` and ``train``; ``to_mesh=`` is its former name)
+    for ``steps`` more, and compare with an uninterrupted ``2 * steps`` run.
 
     >>> result = reshard.commands.validate.validate("2", "3", steps=3)
     >>> result.ok, [(p.name, p.status) for p in result.paths]
@@ -195,6 +198,9 @@ def validate(
     from reshard.train.launch import spawn, train_json
     from reshard.train.loop import TrainConfig, TrainResult, check_config
 
+    to_mesh = former_keyword("validate", "to_mesh", "mesh", to_mesh, mesh)
+    if to_mesh is None:
+        raise UsageError("validate needs mesh=: the mesh every converted checkpoint is resumed on")
     started = time.perf_counter()
     unknown = [v for v in via if v not in PATHS]
     if unknown or not via:

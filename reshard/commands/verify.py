@@ -29,7 +29,7 @@ from reshard.core.structure import container_steps, describe_steps
 from reshard.core.values import difference
 from reshard.features.provenance import carry_hf_configs, hf_configs
 from reshard.pipeline.assemble import assemble, assemble_bytes, moves_bytes
-from reshard.pipeline.options import SourceOptions
+from reshard.pipeline.options import SourceOptions, former_keyword
 from reshard.pipeline.plan import sources_for
 from reshard.pipeline.progress import Progress
 from reshard.sources.reading import given_config, given_layout, read_catalog
@@ -265,6 +265,7 @@ def verify(
     only: str | None = None,
     progress: bool = False,
     storage_options: dict[str, Any] | None = None,
+    options: SourceOptions | None = None,
     source_options: SourceOptions | None = None,
 ) -> VerifyResult:
     """Compare checkpoints ``a`` and ``b``; ``result.ok`` is True when they match (``equal``:
@@ -282,14 +283,15 @@ def verify(
     ``a``'s own config, else ``b``'s. ``only`` compares one part of both (``model``: each side's
     model tensors under their FQNs, whatever the section is called; ``optim``; or a prefix).
 
-    ``source_options`` (a ``SourceOptions``) says how both are read (``storage_options``,
-    ``allow_classes``, for this call only) and describes ``a``, the side its ``keymap`` renames:
-    ``layout`` and ``config`` (the model, for the key map's head counts) are ``a``'s.
+    ``options`` (a ``SourceOptions``; ``source_options=`` is its former name) says how both
+    are read (``storage_options``, ``allow_classes``, for this call only) and describes ``a``,
+    the side its ``keymap`` renames: ``layout`` and ``config`` (the model, for the key map's
+    head counts) are ``a``'s.
     """
     _check_tolerance(atol, "atol")
     _check_tolerance(rtol, "rtol")
     given = {k: v for k, v in (("keymap", keymap), ("storage_options", storage_options)) if v is not None}
-    opts = SourceOptions.of(given, source_options)
+    opts = SourceOptions.of(given, former_keyword("reshard.verify", "source_options", "options", source_options, options))
     with opts.allowing():
         return _verify(a, b, atol, rtol, parse_size(max_memory), only, progress, opts)
 

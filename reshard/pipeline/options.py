@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Generic, Optional, TypeVar, cast
@@ -29,7 +30,7 @@ from reshard.core.errors import UsageError, option
 from reshard.core.sizes import parse_size
 
 __all__ = ["SourceOptions", "LoadOptions", "OutputOption", "WriterOptions", "MAX_SHARD_SIZE", "MIN_MEMORY", "LOAD_MODES",
-           "check_budget", "shard_bytes"]
+           "check_budget", "shard_bytes", "former_keyword"]
 
 MIN_MEMORY = 1 << 20  # the command line's floor: a smaller --max-memory is a slip (512 meaning 512MiB)
 LOAD_MODES = ("auto", "rank0", "parallel")
@@ -49,6 +50,18 @@ def check_budget(max_memory: str | int, floor: int = 1) -> int:
         raise UsageError(f"{given}: {format_size(budget)} is too small to work in; give at least {format_size(floor)}, "
                          "e.g. 512MiB")
     return budget
+
+def former_keyword(function: str, former: str, now: str, former_value: Any, value: Any) -> Any:
+    """``value``, or ``former_value`` when the caller used a keyword's former name (still
+    taken, with a ``DeprecationWarning`` naming the new one): every public function takes its
+    inputs, then its options by the same names."""
+    if former_value is None:
+        return value
+    if value is not None and value != former_value:
+        raise UsageError(f"{now}={value!r} and {former}={former_value!r} disagree; {former}= is {now}='s former name")
+    warnings.warn(f"{function}({former}=...) is now {function}({now}=...)", DeprecationWarning, stacklevel=3)
+    return former_value
+
 
 _Options = TypeVar("_Options", bound="SourceOptions")
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from huggingface_hub import save_torch_state_dict
+from reshard.formats.options import ConvertOptions
 from reshard.formats.safetensors.format import INDEX_NAME, SafetensorsFormat
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -19,7 +20,6 @@ from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError, UsageError
 from reshard.core.facts import Facts
-from reshard.formats.options import ConvertOptions
 from tests.formats.safetensors_cases import BROKEN, raw_file, reference, same, whole_target, write_layout
 
 FMT = SafetensorsFormat()

@@ -47,7 +47,7 @@ def test_checkpoints_hold_the_contract_layout(first_run: tuple[TrainResult, Path
 def test_cli_resumes_on_another_rank_count_and_continues(first_run: tuple[TrainResult, Path], tmp_path: Path,
                                                          capfd: pytest.CaptureFixture) -> None:
     reference, ckpt_dir = first_run
-    proc = run_cli("train", "--nproc", "3", "--mesh", "3", "--steps", "6", "--resume", ckpt_dir / "step-2",
+    proc = run_cli("train", "--nproc", "3", "--to-mesh", "3", "--steps", "6", "--resume", ckpt_dir / "step-2",
                    "--ckpt-dir", tmp_path / "more", "--device", "cpu")
     out = capfd.readouterr().out  # the ranks print on the inherited stdout
     assert proc.returncode == 0, proc.stderr
@@ -71,11 +71,21 @@ def test_mixed_precision_run_starts_from_the_same_weights(first_run: tuple[Train
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--nproc", "2", "--mesh", "3"], "mesh '3' has 3 ranks but the job has 2"),
-    (["--mesh", "5"], "--global-batch 12 does not split over 5 ranks"),
-    (["--mesh", "2x2x1"], "shards data-parallel only"),
-    (["--mesh", "2", "--config", "huge"], "unknown model config 'huge'"),
-    (["--mesh", "2", "--resume", "/nonexistent/ckpt"], "no such checkpoint"),
+    (["--nproc", "2", "--to-mesh", "3"], "mesh '3' has 3 ranks but the job has 2"),
+    (["--to-mesh", "5"], "--global-batch 12 does not split over 5 ranks"),
+    (["--to-mesh", "2x2x1"], "shards data-parallel only"),
+    (["--to-mesh", "2", "--model", "huge"], "unknown model config 'huge'"),
+    (["--to-mesh", "2", "--resume", "/nonexistent/ckpt"], "no such checkpoint"),
 ])
 def test_bad_runs_are_refused_before_any_rank_starts(args: list[str], needle: str) -> None:
     assert_one_line_error(run_cli("train", *args), needle)
+
+
+def test_former_spellings_are_taken_with_a_notice() -> None:
+    """``--mesh`` and ``--config`` (train's names before one flag meant one field in every
+    command) still work, each saying its new name; disagreeing with it is refused."""
+    proc = run_cli("train", "--mesh", "2", "--config", "huge")
+    assert proc.returncode == 2 and "unknown model config 'huge'" in proc.stderr
+    assert "notice: --mesh is now --to-mesh" in proc.stderr and "notice: --config is now --model" in proc.stderr
+    assert_one_line_error(run_cli("train", "--to-mesh", "2", "--mesh", "3"),
+                          "--to-mesh 2 and --mesh 3 disagree; --mesh is --to-mesh's former name")
