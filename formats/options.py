@@ -18,7 +18,9 @@ from typing import Any, ClassVar, TypeVar
 
 from reshard.formats.registry import declared_options
 
+from reshard.core.dtypes import parse_dtype
 from reshard.core.errors import UsageError, option
+from reshard.core.sharding import parse_mesh
 from reshard.core.sizes import parse_size
 from reshard.pipeline.options import OutputOption, SourceOptions, WriterOptions, check_budget, shard_bytes
 
@@ -70,12 +72,8 @@ class ConvertOptions(_Conversion):
             if check is not None and value is not None:
                 check(value)
         if self.dtype is not None:
-            from reshard.core.dtypes import parse_dtype
-
             parse_dtype(self.dtype)
         if self.mesh is not None:
-            from reshard.core.sharding import parse_mesh
-
             parse_mesh(self.mesh)
         elif self.placements is not None:
             raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")

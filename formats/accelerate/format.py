@@ -27,6 +27,9 @@ import re
 from pathlib import Path
 from typing import Any, cast
 
+from reshard.formats.dcp.format import DCPFormat
+from reshard.formats.torch.save import TorchSaveFormat
+
 from reshard.core.catalog import Catalog, ObjectTable, TensorEntry, object_loader
 from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError
 from reshard.core.facts import Facts
@@ -76,9 +79,6 @@ class AccelerateFormat:
     def read(self, path: Path, model_index: int | None = None) -> Catalog:
         """The folder as one checkpoint; ``model_index`` picks one model (and its optimizer) of
         a folder that holds several."""
-        from reshard.formats.dcp.format import DCPFormat
-        from reshard.formats.torch.save import TorchSaveFormat
-
         path = Path(path)
         catalog = Catalog(format=self.name, path=path, objects=ObjectTable(), facts=Facts(layout="accelerate"))
         containers: dict[tuple, str] = {}

@@ -31,6 +31,7 @@ from reshard.core.boxes import Box
 from reshard.core.dtypes import DType
 from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UnsupportedFormatError
 from reshard.core.gc_pause import paused_gc
+from reshard.core.torch_support import FLOOR, NEWEST_TESTED
 from reshard.safe_pickle.unpickler import safe_loads
 
 __all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "NewerFormatError", "read_metadata_file", "DCP_VERSIONS"]
@@ -565,7 +566,6 @@ def _newer(meta_path: Path, what: str) -> NewerFormatError:
     """The refusal of a ``.metadata`` newer than reshard. DCP records no torch version, so the
     message names the newest torch reshard was tested with."""
     from reshard import __version__
-    from reshard.core.torch_support import FLOOR, NEWEST_TESTED
 
     return NewerFormatError(f"{meta_path}: {what}: written by a torch newer than reshard {__version__} supports "
                             f"(it reads DCP from torch {FLOOR} to {NEWEST_TESTED}); upgrade reshard (pip install -U reshard)")

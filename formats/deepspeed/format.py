@@ -39,6 +39,7 @@ from reshard.formats.deepspeed.state import (
     plain,
     scalar_data,
 )
+from reshard.formats.deepspeed.universal import read_universal
 from reshard.formats.deepspeed.zero import ZeroParam, split_concatenated, zero3_params, zero12_params
 
 from reshard.core.boxes import Box, full_box
@@ -300,8 +301,6 @@ class DeepSpeedFormat:
         path = Path(path)
         folder = resolve_tag(path)
         if is_universal_folder(folder) and not is_zero_folder(folder):
-            from reshard.formats.deepspeed.universal import read_universal
-
             return read_universal(folder)
         return _Zero(zero_files(folder), folder).read()
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from reshard.core.dtypes import DType
 from reshard.core.target import Target
+from reshard.features.architecture import COMPUTE_DTYPES
 
 __all__ = ["with_dtype", "model_card", "write_json", "compute_dtype", "export_config"]
 
@@ -25,8 +26,6 @@ def compute_dtype(target: Target) -> DType | None:
     most of the written bytes have. Never float8 or packed bytes: an FP8 release whose weights
     are mostly float8 computes in the dtype of the rest, and from_pretrained makes the model
     in what config.json says."""
-    from reshard.features.architecture import COMPUTE_DTYPES
-
     counts: Counter[DType] = Counter()
     for name, t in target.tensors.items():  # FP8 scales (float32) are no compute tensors either
         if t.dtype in COMPUTE_DTYPES and not name.endswith("_scale_inv"):

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from reshard.formats.torch.file import read_torch_file
+from reshard.formats.torch.legacy import is_legacy
 from reshard.formats.torch.zip import DTensorRef, Record, materialize
 from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_segments
 
@@ -255,8 +256,6 @@ def _is_torch_zip(path: Path) -> bool:
 
 
 def is_legacy_file(path: Path) -> bool:
-    from reshard.formats.torch.legacy import is_legacy
-
     try:
         with open(path, "rb") as f:
             return is_legacy(f.read(16))

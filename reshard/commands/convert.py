@@ -20,8 +20,10 @@ from reshard.core.log import log_notices
 from reshard.core.pieces import OutputFile
 from reshard.core.sharding import MeshSpec, parse_mesh
 from reshard.core.sizes import format_size, preview
+from reshard.core.storage import RemotePath, is_url
 from reshard.core.target import Target
 from reshard.features.hf_options import MERGE_LORA
+from reshard.features.provenance import carried_notice, carry_hf_configs
 from reshard.features.quantize.options import QUANTIZE
 from reshard.formats.options import ConvertOptions
 from reshard.formats.registry import (
@@ -38,6 +40,7 @@ from reshard.formats.registry import (
     taking,
 )
 from reshard.pipeline.engine import Engine, EngineStats
+from reshard.pipeline.mesh_report import mesh_summary
 from reshard.pipeline.mesh_target import mesh_target
 from reshard.pipeline.parallel import Workers, current_workers, mark_shared, split_files, world
 from reshard.pipeline.placements import load_placement_plan
@@ -137,8 +140,9 @@ def convert(
 ) -> ConvertResult:
     """Convert checkpoint ``src`` into ``dst`` (format ``to``, or guessed from ``dst``).
 
-    The options are ``ConvertOptions`` fields, given as keyword arguments or as one value
-    (``options``, with keyword arguments overriding its fields).
+    The options are what ``ConvertOptions`` takes (its fields, and the output options the
+    formats declare: ``compress``, ``quantize``...), given as keyword arguments or as one value
+    (``options=``, with keyword arguments overriding its fields).
 
     Lossless unless asked otherwise: names, dtypes and every bit of every tensor are kept;
     objects travel where the target can hold them (``ConvertResult.notices`` says what
@@ -233,8 +237,6 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
                              files=[(f.relpath or Path(str(out)).name, f.size) for f in files], ranks=ranks)
 
     if opts.dry_run:
-        from reshard.pipeline.mesh_report import mesh_summary
-
         ranks = mesh_summary(target, detect_layout(catalog)) if target.mesh is not None else None
         return result(time.perf_counter() - start, dry=True, ranks=ranks)
     sink: OutputSink
@@ -267,8 +269,6 @@ def _refuse_overlap(src: str | os.PathLike, url: str, storage_options: dict | No
     """A URL output that is, holds or sits inside a URL source would delete the source's files
     before they are read (there is no staging to write into first): refused, as a local DST
     inside its SRC is."""
-    from reshard.core.storage import RemotePath, is_url
-
     if not is_url(str(src)) or str(src).startswith("file://"):
         return
     a, b = RemotePath.from_url(str(src), storage_options), RemotePath.from_url(url, storage_options)
@@ -335,18 +335,16 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     catalog = excluded(catalog, opts.exclude)
     if dtype is not None or opts.value(MERGE_LORA) is not None or opts.value(QUANTIZE) is not None:
         # FP8 / MXFP4 weights: dequantized with their scales, never cast or computed on without them
-        from reshard.features.dequantize import dequantized
+        from reshard.features.dequantize import dequantized  # a feature's module only when asked (start-up)
 
         catalog = dequantized(catalog)
     if keymap is not None:  # lazily renamed entries; the source's real files are unchanged
-        from reshard.features.keymap.lookup import load_keymap
+        from reshard.features.keymap.lookup import load_keymap  # a feature's module only when asked (start-up)
 
         catalog = load_keymap(keymap).apply(catalog)
     if prepare is not None:  # what this output holds, by its own rules (the HF export: reshard.features.hf_export)
         catalog, keep = load_target(prepare)(catalog, opts, keep)
     else:  # an HF source's config.json travels as objects, for a later --to hf
-        from reshard.features.provenance import carried_notice, carry_hf_configs
-
         carried = carry_hf_configs(catalog)
         if carried and only is None:  # --only keeps a section, which these are not in
             catalog = replace(catalog, notices=[*catalog.notices, carried_notice(carried)])

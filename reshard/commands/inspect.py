@@ -3,6 +3,7 @@ docs/cli.md). Tensors are listed by name, whatever order the files keep them in.
 
 from __future__ import annotations
 
+import html as h
 import json
 import re
 import uuid
@@ -16,6 +17,8 @@ from reshard.core.conventions import AmbiguousLayoutError, detect_layout
 from reshard.core.dtypes import dtype_name
 from reshard.core.gc_pause import without_gc
 from reshard.core.sizes import format_size, plural
+from reshard.features.dequantize import find_quantized
+from reshard.pipeline.mesh_report import mesh_table
 
 __all__ = ["CatalogReport", "catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr", "dry_run_table",
            "format_name", "summary_line"]
@@ -76,8 +79,6 @@ def _short(value: Any) -> str:
 
 def _quantized(catalog: Catalog) -> tuple[dict[str, str], dict[str, str]]:
     """(weight name -> its scheme, scale name -> the weight it scales) of a quantized release."""
-    from reshard.features.dequantize import find_quantized
-
     schemes = find_quantized(catalog)
     return {n: s.label for n, s in schemes.items()}, {s.scale: s.weight for s in schemes.values()}
 
@@ -219,8 +220,6 @@ def catalog_repr(catalog: Catalog, html: bool = False) -> str:
     more = len(catalog.tensors) - len(rows)
     head = f"{summary_line(catalog)}; layout {_layout(catalog)['name'] or 'ambiguous'}; {len(catalog.objects)} objects"
     if html:
-        import html as h
-
         cells = "".join(f"<tr><td><code>{h.escape(n)}</code></td><td>{d}</td><td>{s}</td><td>{b}</td></tr>"
                         for n, d, s, b in rows)
         tail = f"<p>... and {more} more tensors (<code>catalog.table()</code> lists all)</p>" if more > 0 else ""
@@ -234,8 +233,6 @@ def catalog_repr(catalog: Catalog, html: bool = False) -> str:
 
 def dry_run_table(result: Any) -> str:
     """``convert --dry-run``: what would be written, file by file, and per target rank."""
-    from reshard.pipeline.mesh_report import mesh_table
-
     files = result.files
     lines = [f"dry run: {result.dst} ({result.format}) would hold {plural(result.tensors, 'tensor')}, "
              f"{format_size(result.bytes)} of tensor data in {plural(len(files), 'data file')}:"]

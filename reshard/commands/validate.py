@@ -30,8 +30,10 @@ from typing import Any
 
 from reshard.core.errors import ReshardError, UsageError
 from reshard.core.sizes import plural
-from reshard.formats.registry import default_suffix
+from reshard.formats.registry import default_suffix, get_format
 from reshard.pipeline.options import former_keyword
+from reshard.train.launch import spawn, train_json
+from reshard.train.loop import TrainConfig, TrainResult, check_config, train
 
 __all__ = ["PATHS", "PathResult", "ValidateResult", "validate", "convert_path", "format_table"]
 
@@ -102,7 +104,6 @@ def _available(name: str) -> str | None:
     """Why path ``name`` cannot run in this install, or None."""
     if name == "dcp":
         return None
-    from reshard.formats.registry import get_format
 
     try:
         get_format(name)
@@ -137,8 +138,6 @@ def _convert_and_verify(row: PathResult, ckpt: Path, workdir: Path, to_mesh: str
 
 def _resume_all(sources: list[tuple[str, str]], cfg: Any) -> dict[str, Any]:
     """On every rank of mesh B: resume from each source in turn; per-path results or errors."""
-    from reshard.train.loop import train
-
     out: dict[str, Any] = {}
     for name, source in sources:
         try:
@@ -195,9 +194,6 @@ def validate(
 
     ``workdir`` keeps the checkpoints and conversions (default: a temp dir, removed after).
     """
-    from reshard.train.launch import spawn, train_json
-    from reshard.train.loop import TrainConfig, TrainResult, check_config
-
     to_mesh = former_keyword("validate", "to_mesh", "mesh", to_mesh, mesh)
     if to_mesh is None:
         raise UsageError("validate needs mesh=: the mesh every converted checkpoint is resumed on")

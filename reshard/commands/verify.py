@@ -10,16 +10,18 @@ Memory stays within ``max_memory`` whatever the tensor sizes.
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from reshard.core.boxes import c_order_slabs, full_box
-from reshard.core.catalog import Catalog, TensorEntry
+from reshard.core.catalog import Catalog, TensorEntry, pick_objects
+from reshard.core.conventions import detect_layout
 from reshard.core.dtypes import DType, dtype_name
 from reshard.core.errors import UsageError, option
 from reshard.core.gc_pause import without_gc
@@ -27,12 +29,15 @@ from reshard.core.regions import as_tensor
 from reshard.core.sizes import parse_size, plural
 from reshard.core.structure import container_steps, describe_steps
 from reshard.core.values import difference
+from reshard.features.architecture import check_architecture
+from reshard.features.keymap.lookup import load_keymap
 from reshard.features.provenance import carry_hf_configs, hf_configs
 from reshard.pipeline.assemble import assemble, assemble_bytes, moves_bytes
+from reshard.pipeline.manifest import MANIFEST_NAME, check_manifest
 from reshard.pipeline.options import SourceOptions, former_keyword
-from reshard.pipeline.plan import sources_for
+from reshard.pipeline.plan import model_section, select, sources_for
 from reshard.pipeline.progress import Progress
-from reshard.sources.reading import given_config, given_layout, read_catalog
+from reshard.sources.reading import given_config, given_layout, local_path, read_catalog
 
 if TYPE_CHECKING:
     import torch
@@ -234,12 +239,6 @@ def _structure(catalog: Catalog, name: str) -> tuple[tuple[str, str | int], ...]
 def _part(catalog: Catalog, only: str) -> Catalog:
     """One part of a checkpoint for ``verify --only``: the model under its own FQNs (so a
     training checkpoint compares with its HF export), or the names in a section."""
-    from dataclasses import replace
-
-    from reshard.core.catalog import pick_objects
-    from reshard.core.conventions import detect_layout
-    from reshard.pipeline.plan import model_section, select
-
     layout = detect_layout(catalog)
     if only == "model":
         return model_section(catalog, layout)
@@ -302,8 +301,6 @@ def _verify(a: str | os.PathLike, b: str | os.PathLike, atol: float | None, rtol
     cb: Catalog = read_catalog(b, opts)
     a, b = ca.path, cb.path
     if opts.keymap is not None:
-        from reshard.features.keymap.lookup import load_keymap
-
         if hf_configs(ca)[0] is None and hf_configs(cb)[0] is not None:  # the export's config says what model it is
             ca.facts.hf_config = hf_configs(cb)[0]
         ca = load_keymap(opts.keymap).apply(ca)
@@ -356,9 +353,6 @@ def verify_manifest(folder: str | os.PathLike) -> VerifyResult:
     (``model.safetensors`` beside an index: ``reshard.pipeline.manifest.LOADED_BY_NAME``); any other file
     added after the conversion (a tokenizer or README copied in) is not a failure of what
     reshard wrote, and is named in ``notes``. No manifest, or a malformed one, raises a ReshardError."""
-    from reshard.pipeline.manifest import MANIFEST_NAME, check_manifest
-    from reshard.sources.reading import local_path
-
     local = local_path(folder)
     if local is None:
         raise UsageError(f"{folder}: verify --quick checks a local folder's manifest; an output at a URL has none "
@@ -379,12 +373,9 @@ def verify_manifest(folder: str | os.PathLike) -> VerifyResult:
 def _check_hf_architecture(folder: Path, result: VerifyResult) -> None:
     """An intact HF folder is also the model its config.json describes: its tensors loaded on
     the meta device into the architecture transformers builds (``reshard.features.architecture``)."""
-    import json
-
     config_path = folder / "config.json"
     if not config_path.is_file() or not any(folder.glob("*.safetensors")):
         return
-    from reshard.features.architecture import check_architecture
 
     try:
         config = json.loads(config_path.read_text())

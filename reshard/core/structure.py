@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from reshard.core.catalog import NestedPath
+from reshard.core.errors import CorruptCheckpointError
 
 __all__ = ["CONTAINERS_KEY", "Containers", "dcp_path", "from_dcp_path", "container_steps", "describe_steps",
            "containers_to_json", "containers_from_json"]
@@ -64,8 +65,6 @@ def containers_to_json(containers: Containers) -> list[list]:
 
 def containers_from_json(value: object, where: str) -> dict[NestedPath, str]:
     """The inverse of ``containers_to_json``; ``where`` names the file in the error."""
-    from reshard.core.errors import CorruptCheckpointError
-
     if not (isinstance(value, list) and all(
             isinstance(e, list) and len(e) == 2 and isinstance(e[0], list) and e[1] in ("dict", "tuple")
             and all(type(k) in (str, int) for k in e[0]) for e in value)):

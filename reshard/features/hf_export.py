@@ -26,16 +26,19 @@ from typing import TYPE_CHECKING, Any
 
 from reshard.core.catalog import Catalog, TensorEntry
 from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
+from reshard.core.dtypes import parse_dtype
 from reshard.core.errors import UnsupportedFormatError, UsageError
 from reshard.core.facts import Facts
 from reshard.core.json_file import read_json
 from reshard.core.sizes import plural
 from reshard.core.values import same_values
 from reshard.features.hf_options import HF_ASSETS, MERGE_LORA, WEIGHTS_ONLY
+from reshard.features.hub import hub_files
 from reshard.features.keymap.lookup import load_keymap
 from reshard.features.keymap.maps import titan_family
 from reshard.features.provenance import hf_configs, training_config
 from reshard.features.quantize.options import QUANTIZE
+from reshard.pipeline.plan import DtypeKeep
 
 if TYPE_CHECKING:
     from reshard.formats.options import ConvertOptions
@@ -54,8 +57,6 @@ ASSET_FILES = (
 def load_config(spec: str | os.PathLike) -> dict[str, Any]:
     """``--config``: a config.json file, a folder holding one, or a Hub repo id (read from the
     local Hugging Face cache when offline)."""
-    from reshard.features.hub import hub_files
-
     path = Path(spec)
     if path.is_file():
         return read_json(path, "config.json")
@@ -67,9 +68,6 @@ def load_config(spec: str | os.PathLike) -> dict[str, Any]:
 def find_assets(spec: str | Path) -> dict[str, Path]:
     """``--hf-assets``: the tokenizer, chat template and generation files of a folder or Hub
     repo id (cache when offline), by name; an empty folder is an error, not a silent no-op."""
-    from reshard.core.errors import UsageError
-    from reshard.features.hub import hub_files
-
     folder = Path(spec)
     if not folder.is_dir():
         folder = hub_files(str(spec), list(ASSET_FILES), what="--hf-assets")
@@ -246,13 +244,11 @@ def prepare_hf(catalog: Catalog, opts: ConvertOptions, keep: DtypeKeep) -> tuple
     catalog = export_catalog(catalog, max_memory=opts.budget, assets=None if assets is None else str(assets),
                              weights_only=opts.value(WEIGHTS_ONLY))
     if adapter is not None:  # W + scaling * (B @ A), computed as the weights stream (reshard.features.lora)
-        from reshard.features.lora import merged
+        from reshard.features.lora import merged  # each feature's modules only when asked (start-up)
 
         catalog = merged(catalog, adapter)
     if scheme is not None:  # quantized values and their scales, computed as they stream (reshard.features.quantize)
-        from reshard.core.dtypes import parse_dtype
         from reshard.features.quantize.weights import quantized
-        from reshard.pipeline.plan import DtypeKeep
 
         plain = catalog.tensors
         catalog = quantized(catalog, scheme, keep, dtype=parse_dtype(opts.dtype))

@@ -18,8 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, ReshardError, UsageError
+from reshard.core.json_file import read_json
 from reshard.core.log import log_notices
+from reshard.core.values import same_values
+from reshard.features.architecture import require_architecture
 from reshard.features.hf_options import ARCHITECTURE_CHECK
+from reshard.formats.registry import detect_format
 
 __all__ = ["hub_source", "cached_hub_folder", "hub_files", "check_folder", "push", "PushResult", "LARGE_FOLDER_BYTES"]
 
@@ -127,8 +131,6 @@ def _files(folder: Path) -> list[tuple[str, int]]:
 
 
 def _check_ties(folder: Path, config: dict[str, Any], tensors: dict[str, Any]) -> None:
-    from reshard.core.values import same_values
-
     tie = config.get("tie_word_embeddings")
     if tie is True and _HEAD in tensors and _EMBED in tensors and not same_values(tensors[_HEAD], tensors[_EMBED], 1 << 28):
         raise CorruptCheckpointError(f"{folder}: config.json ties the embeddings but {_HEAD} differs from {_EMBED}; "
@@ -145,9 +147,6 @@ def check_folder(folder: Path, *, architecture_check: bool = True, notices: list
     tensor of every shard (no stray shard); every header parses; tied weights consistent; the
     tensors are the model config.json describes (``reshard.features.architecture``, unless
     ``architecture_check`` is off). What the check could not do is added to ``notices``."""
-    from reshard.core.json_file import read_json
-    from reshard.formats.registry import detect_format
-
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{folder}: not a folder; push uploads an HF model folder (`reshard convert SRC --to hf`)")
@@ -171,8 +170,6 @@ def check_folder(folder: Path, *, architecture_check: bool = True, notices: list
                                      "(transformers loads model.safetensors or an indexed set)")
     _check_ties(folder, config, catalog.tensors)
     if architecture_check:
-        from reshard.features.architecture import require_architecture
-
         said = require_architecture(config, catalog.tensors, where=str(folder), action="push it",
                                     fix="re-export it with reshard convert SRC --to hf (with --keymap or --config as needed)")
     else:

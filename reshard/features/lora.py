@@ -35,8 +35,12 @@ from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog, Chunk, TensorEntry
 from reshard.core.chunk_reads import float32_box
 from reshard.core.errors import CorruptCheckpointError, UnsupportedFormatError, UsageError, option
+from reshard.core.json_file import read_json
 from reshard.core.regions import Banded
 from reshard.core.sizes import preview
+from reshard.features.architecture import model_facts
+from reshard.features.hub import hub_files
+from reshard.formats.registry import get_format
 
 if TYPE_CHECKING:
     import torch
@@ -103,14 +107,11 @@ def _folder(spec: str | os.PathLike) -> Path:
             raise UsageError(f"{path}: no {CONFIG} there; {option('--merge-lora', 'merge_lora=')} takes a PEFT adapter "
                              "folder (adapter_config.json + adapter_model.safetensors), as save_pretrained writes it")
         return path
-    from reshard.features.hub import hub_files
 
     return hub_files(str(spec), [CONFIG, *WEIGHTS], what=option("--merge-lora", "merge_lora="))
 
 
 def _config(folder: Path) -> dict[str, Any]:
-    from reshard.core.json_file import read_json
-
     config = read_json(folder / CONFIG, CONFIG)
     where = folder / CONFIG
     if config.get("peft_type") != "LORA":
@@ -129,8 +130,6 @@ def _config(folder: Path) -> dict[str, Any]:
 
 
 def _weights(folder: Path) -> Catalog:
-    from reshard.formats.registry import get_format
-
     for name, fmt in zip(WEIGHTS, ("safetensors", "torch")):
         if (folder / name).is_file():
             return get_format(fmt).read(folder / name)
@@ -296,8 +295,6 @@ def merged(catalog: Catalog, spec: str | os.PathLike) -> Catalog:
     ``get_output_embeddings`` of the config's model built on the meta device: GPT-2's are
     ``transformer.wte`` and ``lm_head``), tied as its config class says, and deltas on one
     weight are added in the model's module order, as PEFT's ``merge_and_unload`` walks it."""
-    from reshard.features.architecture import model_facts
-
     config = catalog.facts.hf_config or {}
     facts = model_facts(config) if config else None
     adapter = read_adapter(spec, facts.classes if facts else None)

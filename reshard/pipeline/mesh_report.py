@@ -14,9 +14,11 @@ import numpy as np
 
 from reshard.core.catalog import Catalog
 from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout
+from reshard.core.sharding import parse_mesh
 from reshard.core.sizes import format_size, plural
 from reshard.core.target import Target
 from reshard.pipeline.mesh_target import mesh_target, uneven_dims
+from reshard.pipeline.placements import load_placement_plan
 
 __all__ = ["mesh_summary", "mesh_table", "rank_ranges", "summarize_for_mesh"]
 
@@ -102,9 +104,6 @@ def mesh_table(summary: dict[str, Any]) -> str:
 
 
 def summarize_for_mesh(catalog: Catalog, mesh: str, placements: str | None) -> dict[str, Any]:
-    from reshard.core.sharding import parse_mesh
-    from reshard.pipeline.placements import load_placement_plan
-
     spec = parse_mesh(mesh)
     layout = detect_layout(catalog)
     return mesh_summary(mesh_target(catalog, spec, load_placement_plan(placements, spec), layout=layout), layout)

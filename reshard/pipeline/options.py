@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Generic, Optional, TypeVar, cast
 
 from reshard.core.errors import UsageError, option
-from reshard.core.sizes import parse_size
+from reshard.core.sizes import format_size, parse_size
 
 __all__ = ["SourceOptions", "LoadOptions", "OutputOption", "WriterOptions", "MAX_SHARD_SIZE", "MIN_MEMORY", "LOAD_MODES",
            "check_budget", "shard_bytes", "former_keyword"]
@@ -39,8 +39,6 @@ LOAD_MODES = ("auto", "rank0", "parallel")
 def check_budget(max_memory: str | int, floor: int = 1) -> int:
     """``max_memory`` in bytes; a usage error below ``floor`` (the API moves data even in a
     few bytes, as the tests do to force slabs; the CLI asks for ``MIN_MEMORY``)."""
-    from reshard.core.sizes import format_size
-
     given = option(f"--max-memory {max_memory}", f"max_memory={max_memory!r}")
     try:
         budget = parse_size(max_memory)
@@ -83,6 +81,8 @@ class SourceOptions:
             raise UsageError(f"{option('--storage-options', 'storage_options=')}: give a JSON object of fsspec options, "
                              """e.g. '{"anon": true}'""")
         if self.layout is not None:
+            # Imported when used: the command line builds its flags from this module, and
+            # `reshard --help` imports neither numpy (the conventions) nor the unpickler.
             from reshard.core.conventions import convention_named
 
             convention_named(self.layout)

@@ -33,10 +33,13 @@ import torch
 import torch.distributed as dist
 
 from reshard.core import errors
+from reshard.core import torch_compat as _torch_compat
 from reshard.core.catalog import Catalog, ObjectTable, object_loader
 from reshard.core.errors import ReshardError, UsageError
 from reshard.core.log import log_notices
 from reshard.core.sizes import format_size, plural, preview
+from reshard.features.keymap.lookup import load_keymap
+from reshard.formats.registry import detect_format, format_entry
 from reshard.pipeline.options import LOAD_MODES, LoadOptions
 from reshard.pipeline.parallel import world
 from reshard.pipeline.progress import Progress
@@ -124,8 +127,6 @@ def _raise_shared(err: tuple[str, str]) -> NoReturn:
 
 
 def _read_catalog(source: Path, opts: LoadOptions) -> Catalog:
-    from reshard.formats.registry import detect_format, format_entry
-
     section = opts.section
     fmt = detect_format(source)
     if section is None:
@@ -138,8 +139,6 @@ def _read_catalog(source: Path, opts: LoadOptions) -> Catalog:
         catalog = _section_as_model(fmt.read(source), str(section))
     catalog = given_layout(given_config(catalog, opts.config), opts.layout)  # the config: head counts for a key map
     if opts.keymap is not None:
-        from reshard.features.keymap.lookup import load_keymap
-
         catalog = load_keymap(opts.keymap).apply(catalog)
     return catalog
 
@@ -474,7 +473,6 @@ def _live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None)
     msd = dict(model.state_dict())
     if optimizer is None:
         return msd, None, False
-    from reshard.core import torch_compat as _torch_compat
 
     _torch_compat.init_optimizer_state(optimizer)
     fqn_of = {id(p): fqn for fqn, p in model.named_parameters(remove_duplicate=False)}

@@ -21,6 +21,7 @@ from functools import cache, lru_cache
 from typing import Any, ClassVar, cast
 
 from reshard.core.errors import UnsafeCheckpointError, UsageError
+from reshard.core.values import difference
 
 __all__ = ["Sealed", "Inert", "Refused", "standin_class", "refused_class", "is_refused", "refused_name",
            "inert_name"]
@@ -101,8 +102,6 @@ class Inert(metaclass=Sealed):
         return (self.how, self.args, self.kwargs, self.state, self.items, self.entries)
 
     def __eq__(self, other: object) -> bool:
-        from reshard.core.values import difference
-
         return type(other) is type(self) and difference(self._fields(), other._fields()) is None
 
     def __hash__(self) -> int:

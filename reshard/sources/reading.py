@@ -12,9 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from reshard.core.catalog import Catalog
+from reshard.core.conventions import detect_layout
 from reshard.core.errors import CheckpointNotFoundError, ReshardError, UsageError
 from reshard.core.gc_pause import without_gc
 from reshard.core.storage import RemotePath, forget_cached, is_url
+from reshard.features.hub import cached_hub_folder, hub_source
+from reshard.features.provenance import hf_configs, training_config
+from reshard.formats.registry import detect_format
 
 if TYPE_CHECKING:
     from reshard.pipeline.options import SourceOptions
@@ -52,14 +56,10 @@ def resolve_source(src: str | os.PathLike, options: SourceOptions | None = None)
     fsspec arguments for a URL (``--storage-options``), beside the store's own environment.
     The rest of ``options`` is the caller's: each public call allows ``allow_classes`` for as
     long as it runs, and applies layout, config and key map at its own step."""
-    from reshard.formats.registry import detect_format
-
     storage_options = options.storage_options if options is not None else None
 
     path = local_path(src)
     if path is None:
-        from reshard.features.hub import cached_hub_folder
-
         cached = cached_hub_folder(str(src))  # hf://owner/name found whole in the local cache
         if cached is not None:
             return Source(str(src), detect_format(cached).read(cached), cached, None)
@@ -72,8 +72,6 @@ def resolve_source(src: str | os.PathLike, options: SourceOptions | None = None)
             if isinstance(e, ReshardError) or (e.filename and str(e.filename) != remote.path):
                 raise
             raise CheckpointNotFoundError(f"{src}: {e.strerror or e}") from e
-    from reshard.features.hub import hub_source
-
     path, beside = hub_source(path)  # a Hub repo id: its cached snapshot; outputs go to the cwd
     return Source(path, detect_format(path).read(path), path, beside)
 
@@ -88,7 +86,6 @@ def given_layout(catalog: Catalog, layout: str | None) -> Catalog:
     detection takes it as given; an unknown name is a usage error."""
     if layout is None:
         return catalog
-    from reshard.core.conventions import detect_layout
 
     detect_layout(catalog, layout)  # an unknown name is a usage error now, not after a key map
     return replace(catalog, facts=catalog.facts.but(layout=layout, layout_given=True))
@@ -99,7 +96,7 @@ def given_config(catalog: Catalog, config: str | os.PathLike | None) -> Catalog:
     counts, the HF export its config.json."""
     if config is None:
         return catalog
-    from reshard.features.hf_export import load_config
+    from reshard.features.hf_export import load_config  # the HF export's modules only when asked (start-up)
 
     loaded = load_config(config)
     _refuse_contradiction(catalog, config, loaded)
@@ -129,8 +126,6 @@ def _refuse_contradiction(catalog: Catalog, config: str | os.PathLike, given: Ma
     """A --config whose head counts, layers, vocabulary or width contradict what the checkpoint
     records of its own model (the training loop's ModelConfig, or the config.json an HF source
     carried) is refused, naming both values."""
-    from reshard.features.provenance import hf_configs, training_config
-
     mine = _model_shape(given)
     records: list[tuple[str, dict[str, Any]]] = []
     train = training_config(catalog)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from reshard.core import errors
 from reshard.core.errors import ReshardError, UsageError
 from reshard.core.log import to_stream
+from reshard.runtime.world import run_world
 from reshard.train.checkpoint import latest_checkpoint
 from reshard.train.loop import TRAIN_LOG, TrainConfig, TrainResult, check_config, train
 
@@ -79,8 +80,6 @@ def _run_rank(rank: int, world_size: int, fn: Any, args: tuple, tmp: str, cuda: 
 def spawn(fn: Any, nproc: int, *args: Any, device: str = "auto", timeout: float = 3600.0) -> Any:
     """Run ``fn(*args)`` on ``nproc`` spawned ranks (``fn`` module-level); rank 0's JSON-able
     return value."""
-    from reshard.runtime.world import run_world
-
     cuda = _use_cuda(nproc, device)
     with tempfile.TemporaryDirectory(prefix="reshard-train-") as tmp:
         try:

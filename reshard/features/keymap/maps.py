@@ -34,7 +34,7 @@ from reshard.core.errors import UsageError
 from reshard.features.keymap.apply import INDEX, Route, apply_keymap
 from reshard.features.keymap.patterns import Pattern, Replacement, invert, template
 from reshard.features.keymap.presets import HF_FAMILY, HF_UNFUSE, TITAN_FAMILIES, WRAPPERS
-from reshard.features.provenance import model_params
+from reshard.features.provenance import hf_configs, model_params, training_config
 
 __all__ = ["KeyMap", "FamilyKeyMap", "Rename", "Split", "Merge", "Unstack", "Stack", "Drop", "Rope",
            "keymap_from_json", "titan_family", "titan_to_hf", "hf_to_titan", "hf_unfuse"]
@@ -286,8 +286,6 @@ _NAME_HINTS = (("deepseek_v3", ("wkv_a", "kv_a_proj_with_mqa")), ("qwen3", ("q_n
 
 def titan_family(catalog: Catalog) -> str:
     """The torchtitan model family of a checkpoint (either side of the map)."""
-    from reshard.features.provenance import hf_configs, training_config
-
     config, _ = hf_configs(catalog)
     model_type = (config or {}).get("model_type")
     if model_type is not None:

@@ -25,6 +25,7 @@ from reshard.core.conventions import PARAM, detect_layout
 from reshard.core.errors import ReshardError, UsageError
 from reshard.features.keymap.maps import Drop, KeyMap, Rename, Rule, Split, Unstack
 from reshard.features.keymap.patterns import Pattern, Replacement, template
+from reshard.features.provenance import model_params
 
 __all__ = ["MEGATRON_GPT", "MegatronToHF", "megatron_to_hf", "megatron_heads"]
 
@@ -79,8 +80,6 @@ class _WithArgs(KeyMap):
 
     def param(self, name: str, catalog: Catalog, found: dict[str, int]) -> int:
         if name not in self.params and name not in found:
-            from reshard.features.provenance import model_params
-
             found.update({**megatron_heads(catalog), **model_params(catalog)})
         return super().param(name, catalog, found)
 
