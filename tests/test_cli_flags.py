@@ -15,7 +15,7 @@ from reshard.formats.options import ConvertOptions
 from reshard.formats.registry import declared_options
 
 from reshard.cli.app import app
-from reshard.cli.flags import CLI_ONLY, FLAGS, TARGETS, Flag, flags_of
+from reshard.cli.flags import CLI_ONLY, FLAGS, TARGETS, Flag, flags_of, refresh_flags
 
 NOT_ON_THE_COMMAND_LINE = {"workers"}  # ConvertOptions fields only the API sets
 
@@ -73,6 +73,7 @@ def test_convert_exposes_each_conversion_option_once_with_its_default() -> None:
 def test_no_command_defines_an_option_outside_the_table() -> None:
     """Each command's own parameters are its arguments; every option comes from the table, and
     --help shows them in the table's order."""
+    refresh_flags()  # as main() does: the registry as it is now (a test may have registered a format and left)
     commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]  # a group
     assert set(commands) == set(TARGETS)
     for name, command in commands.items():

@@ -245,15 +245,14 @@ def flags_of(command: str) -> list[Flag]:
     if command != "convert":
         return rows
     declared = list(declared_options().values())
-    last = 0
-    for placed in (True, False):
-        for d in declared:
-            if (d.after is not None) != placed:
-                continue
-            at = next((i + 1 for i, f in enumerate(rows) if f.field == d.after), None) if placed else last
-            at = len(rows) if at is None else at
-            rows.insert(at, Flag.declared(d))
-            last = max(last, at + 1) if placed else at + 1
+    for d in (d for d in declared if d.after is not None):
+        at = next((i + 1 for i, f in enumerate(rows) if f.field == d.after), len(rows))
+        rows.insert(at, Flag.declared(d))
+    names = {d.name for d in declared}
+    last = max((i + 1 for i, f in enumerate(rows) if f.field in names), default=len(rows))
+    for d in (d for d in declared if d.after is None):
+        rows.insert(last, Flag.declared(d))
+        last += 1
     return rows
 
 
