@@ -55,8 +55,9 @@ def inspect(path: str | os.PathLike, *, options: SourceOptions | None = None, la
     ``layout`` names the tool whose conventions the checkpoint follows when detection gets it
     wrong (``reshard.core.conventions``); ``storage_options`` are fsspec arguments for a URL.
     ``options`` (a ``SourceOptions``; ``source_options=`` is its former name) gives these and
-    the rest of how a source is read as one value: ``allow_classes`` also holds for the catalog's objects read later, ``config``
-    says what model it is, and ``keymap`` shows the names it renames them to.
+    the rest of how a source is read as one value: ``allow_classes`` also holds for the
+    catalog's objects read later, ``config`` says what model it is, and ``keymap`` shows the
+    names it renames them to.
 
     >>> cat = reshard.inspect("ckpt/")
     >>> cat                      # a one-screen summary; print(cat.table()) for every tensor
