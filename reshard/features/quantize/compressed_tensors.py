@@ -18,19 +18,20 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from reshard.core import dtypes
 from reshard.core.boxes import Box
-from reshard.core.regions import BAND_BYTES
+from reshard.core.regions import BAND_BYTES, Banded
 from reshard.features.quantize.scheme import Weight, checked_finite
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["EXPERT", "VERSION", "ct_config", "args", "ignored_modules", "Once", "FP8_MAX", "row_bands",
-           "fp8_scales", "fp8_grid_scales", "fp8_values"]
+           "fp8_scales", "fp8_grid_scales", "fp8_values", "Fp8GridValues"]
 
 VERSION = "0.19.0"  # the compressed-tensors release whose config and tensors these schemes write
 EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")  # an expert's weight, and its fused experts module
@@ -110,6 +111,29 @@ def fp8_values(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.clamp(w / scale, -FP8_MAX, FP8_MAX).to(_FP8.torch)
+
+
+@dataclass(frozen=True)
+class Fp8GridValues(Banded):
+    """The FP8 values of any box of ``weight``: each element divided by the scale of its
+    ``rows`` x ``cols`` block of ``scales`` (``fp8_grid_scales`` with the same grid; ``cols``
+    None: one scale per ``rows`` whole rows, ``[out / rows, 1]``)."""
+
+    weight: Weight
+    scales: Once
+    rows: int
+    cols: int | None
+    out_dtype = "float8_e4m3fn"
+
+    def _band(self, box: Box) -> torch.Tensor:
+        import torch
+
+        (r0, c0), (nr, nc) = box.offsets, box.sizes
+        rows = torch.arange(r0, r0 + nr) // self.rows
+        if self.cols is None:  # [nr, 1]: a scale per row of blocks, broadcast along it
+            return fp8_values(self.weight.box(box), self.scales()[rows])
+        cols = torch.arange(c0, c0 + nc) // self.cols
+        return fp8_values(self.weight.box(box), self.scales()[rows[:, None], cols[None, :]])
 
 
 class Once:

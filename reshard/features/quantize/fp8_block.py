@@ -11,18 +11,13 @@ A weight with a dim that is not a multiple of 128 stays in the compute dtype (li
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reshard.core import dtypes
-from reshard.core.boxes import Box, full_box
+from reshard.core.boxes import full_box
 from reshard.core.catalog import Chunk, TensorEntry
-from reshard.core.regions import Banded
-from reshard.features.quantize.compressed_tensors import EXPERT, Once, args, ct_config, fp8_grid_scales, fp8_values
+from reshard.features.quantize.compressed_tensors import EXPERT, Fp8GridValues, Once, args, ct_config, fp8_grid_scales
 from reshard.features.quantize.scheme import Weight
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["Fp8Block", "BLOCK"]
 
@@ -32,23 +27,6 @@ BLOCK = 128
 # neither from model_free_ptq's output nor from reshard's: they stay in the compute dtype.
 EXPERTS = "MoE experts (transformers cannot load block-scaled experts into its fused experts module)"
 _FP8 = dtypes.by_name("float8_e4m3fn")
-
-
-@dataclass(frozen=True)
-class _Values(Banded):
-    """The FP8 values of any box: each element divided by its block's scale."""
-
-    weight: Weight
-    scales: Once
-    out_dtype = "float8_e4m3fn"
-
-    def _band(self, box: Box) -> torch.Tensor:
-        import torch
-
-        (r0, c0), (nr, nc) = box.offsets, box.sizes
-        rows = torch.arange(r0, r0 + nr) // BLOCK
-        cols = torch.arange(c0, c0 + nc) // BLOCK
-        return fp8_values(self.weight.box(box), self.scales()[rows[:, None], cols[None, :]])
 
 
 class Fp8Block:
@@ -69,7 +47,8 @@ class Fp8Block:
         scales = Once(lambda: fp8_grid_scales(weight, BLOCK, BLOCK))
         grid = (rows // BLOCK, cols // BLOCK)
         scale = weight.name + "_scale"
-        return {weight.name: TensorEntry(weight.name, shape, _FP8, [Chunk(full_box(shape), _Values(weight, scales))]),
+        values = Fp8GridValues(weight, scales, BLOCK, BLOCK)
+        return {weight.name: TensorEntry(weight.name, shape, _FP8, [Chunk(full_box(shape), values)]),
                 scale: TensorEntry(scale, grid, weight.dtype, [Chunk(full_box(grid), scales)])}
 
     def config(self, skipped: Mapping[str, tuple[int, ...]], quantized: int) -> dict[str, Any]:

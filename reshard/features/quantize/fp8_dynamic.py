@@ -10,35 +10,17 @@ calibrated. Any shape quantizes: a scale per row has no partial blocks.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from reshard.core import dtypes
-from reshard.core.boxes import Box, full_box
+from reshard.core.boxes import full_box
 from reshard.core.catalog import Chunk, TensorEntry
-from reshard.core.regions import Banded
-from reshard.features.quantize.compressed_tensors import Once, args, ct_config, fp8_grid_scales, fp8_values
+from reshard.features.quantize.compressed_tensors import Fp8GridValues, Once, args, ct_config, fp8_grid_scales
 from reshard.features.quantize.scheme import Weight
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["Fp8Dynamic"]
 
 _FP8 = dtypes.by_name("float8_e4m3fn")
-
-
-@dataclass(frozen=True)
-class _Values(Banded):
-    """The FP8 values of any box: its rows divided by their scales, in the weight's dtype."""
-
-    weight: Weight
-    scales: Once
-    out_dtype = "float8_e4m3fn"
-
-    def _band(self, box: Box) -> torch.Tensor:
-        (r0, _), (nr, _) = box.offsets, box.sizes
-        return fp8_values(self.weight.box(box), self.scales()[r0: r0 + nr])
 
 
 class Fp8Dynamic:
@@ -55,7 +37,8 @@ class Fp8Dynamic:
         rows, _ = shape = weight.entry.shape
         scales = Once(lambda: fp8_grid_scales(weight, 1, None))  # [out, 1]
         scale = weight.name + "_scale"
-        return {weight.name: TensorEntry(weight.name, shape, _FP8, [Chunk(full_box(shape), _Values(weight, scales))]),
+        values = Fp8GridValues(weight, scales, 1, None)
+        return {weight.name: TensorEntry(weight.name, shape, _FP8, [Chunk(full_box(shape), values)]),
                 scale: TensorEntry(scale, (rows, 1), weight.dtype, [Chunk(full_box((rows, 1)), scales)])}
 
     def config(self, skipped: Mapping[str, tuple[int, ...]], quantized: int) -> dict[str, Any]:
