@@ -285,6 +285,7 @@ class Given:
 
 
 _COMMANDS: list[tuple[str, Callable[..., Any], list[inspect.Parameter]]] = []  # what takes_flags wrapped
+_signed_for: dict[str, tuple[int, ...]] = {}  # command -> the declared output options its signature has
 
 
 def takes_flags(command: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -323,16 +324,22 @@ def _take_former(former: Flag, now: Flag, values: dict[str, Any]) -> None:
 
 def refresh_flags() -> None:
     """Each command's options from the table and the registry as they are now (a format
-    registered after import adds its options): typer reads them when the app is called."""
+    registered after import adds its options): typer reads them when the app is called. Only
+    the declared output options can change after import, so a command is signed again only
+    when they did: every run of the command line calls this."""
     for command, run, own in _COMMANDS:
         _signed(command, run, own)
 
 
 def _signed(command: str, run: Callable[..., Any], own: list[inspect.Parameter]) -> None:
+    declared = tuple(map(id, declared_options().values()))
+    if _signed_for.get(command) == declared:
+        return
     params = own + [inspect.Parameter(f.field, inspect.Parameter.KEYWORD_ONLY, annotation=_annotation(f),
                                       default=inspect.Parameter.empty if f.default is ... else f.default)
                     for f in flags_of(command)]
     run.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by typer
+    _signed_for[command] = declared
 
 
 def _annotation(f: Flag) -> Any:
