@@ -86,6 +86,9 @@ class Facts:
 
     def __init__(self, **values: Any) -> None:
         self._by_key: dict[str, Any] = {}
+        self._set(values)
+
+    def _set(self, values: Mapping[str, Any]) -> None:
         for name, value in values.items():
             if name not in self._declared:
                 raise TypeError(f"Facts has no fact {name!r}; declare it in reshard/core/facts.py")
@@ -99,10 +102,7 @@ class Facts:
     def but(self, **changes: Any) -> Facts:
         """A copy with ``changes`` (``None`` forgets a fact)."""
         out = self.copy()
-        for name, value in changes.items():
-            if name not in self._declared:
-                raise TypeError(f"Facts has no fact {name!r}; declare it in reshard/core/facts.py")
-            setattr(out, name, value)
+        out._set(changes)
         return out
 
     def persisted(self) -> dict[str, Any]:
