@@ -22,7 +22,7 @@ from reshard.core.dtypes import parse_dtype
 from reshard.core.errors import UsageError, option
 from reshard.core.sharding import parse_mesh
 from reshard.core.sizes import parse_size
-from reshard.pipeline.options import OutputOption, SourceOptions, WriterOptions, check_budget, shard_bytes
+from reshard.pipeline.options import OutputOption, SourceOptions, WriterOptions, check_budget, former_keyword, shard_bytes
 
 __all__ = ["ConvertOptions"]
 
@@ -32,8 +32,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class _Conversion(SourceOptions):
     to: str | None = None  # output format; default from DST's suffix, else dcp
-    mesh: str | None = None  # "8", "4x8", "dp_shard=4,tp=2": lay the output out for this mesh
-    placements: str | None = None  # fsdp, hsdp, fsdp+tp or a PLAN.json (with mesh)
+    to_mesh: str | None = None  # "8", "4x8", "dp_shard=4,tp=2": lay the output out for this mesh (--to-mesh)
+    placements: str | None = None  # fsdp, hsdp, fsdp+tp or a PLAN.json (with to_mesh)
     dtype: Any = None  # cast floating-point tensors (a name, a torch dtype or a reshard DType); never integer state
     only: str | None = None  # "model", "optim" or a name prefix
     exclude: str | tuple[str, ...] | list[str] | None = None  # globs of names to leave out
@@ -55,6 +55,8 @@ class ConvertOptions(_Conversion):
     others (``ConvertOptions(to="zarr", compress=True)``) and are read with ``value``."""
 
     def __init__(self, **given: Any) -> None:
+        if "mesh" in given:  # the name before the keyword matched its flag, --to-mesh
+            given["to_mesh"] = former_keyword("reshard.convert", "mesh", "to_mesh", given.pop("mesh"), given.get("to_mesh"))
         declared = declared_options()
         output = dict(given.pop("output", None) or {})
         output.update({name: given.pop(name) for name in [n for n in given if n in declared]})
@@ -73,12 +75,12 @@ class ConvertOptions(_Conversion):
                 check(value)
         if self.dtype is not None:
             parse_dtype(self.dtype)
-        if self.mesh is not None:
-            parse_mesh(self.mesh)
+        if self.to_mesh is not None:
+            parse_mesh(self.to_mesh)
         elif self.placements is not None:
-            raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'mesh=')}")
+            raise UsageError(f"{option('--placements', 'placements=')} needs {option('--to-mesh', 'to_mesh=')}")
         elif self.keep_per_rank:
-            raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'mesh=')} "
+            raise UsageError(f"{option('--keep-per-rank', 'keep_per_rank=True')} applies with {option('--to-mesh', 'to_mesh=')} "
                              "(per-rank state is kept as is otherwise)")
         casting = [o for o in declared.values() if o.casts]
         if self.keep_dtype and self.dtype is None and not any(self.value(o) is not None for o in casting):
@@ -92,7 +94,7 @@ class ConvertOptions(_Conversion):
 
     @classmethod
     def of(cls, given: dict[str, Any], base: ConvertOptions | None = None) -> ConvertOptions:
-        unknown = sorted(set(given) - set(cls.accepted()))
+        unknown = sorted(set(given) - set(cls.accepted()) - {"mesh"})  # mesh=: to_mesh='s former name
         if unknown:
             raise UsageError(f"unknown {cls._what} option {unknown[0]!r}; the options are {', '.join(cls.accepted())}")
         if base is None:

@@ -267,10 +267,10 @@ def test_many_small_tensors_convert_alike_either_way(moe_dcp: Path, tmp_path: Pa
 
     saved = {name: t for name, (t, _) in _moe_state().items()}
     for mesh in ("4", "2x2", "3"):
-        gathered = reshard.convert(moe_dcp, tmp_path / f"g{mesh}", mesh=mesh, quiet=True)
+        gathered = reshard.convert(moe_dcp, tmp_path / f"g{mesh}", to_mesh=mesh, quiet=True)
         with monkeypatch.context() as m:
             m.setattr(byte_runs, "GATHER_MIN_PIECES", 10**9)
-            plain = reshard.convert(moe_dcp, tmp_path / f"p{mesh}", mesh=mesh, quiet=True)
+            plain = reshard.convert(moe_dcp, tmp_path / f"p{mesh}", to_mesh=mesh, quiet=True)
         assert plain.kernel_bytes > 0 and gathered.kernel_bytes == 0, mesh  # the paths taken differ...
         names = sorted(p.name for p in (tmp_path / f"p{mesh}").iterdir())
         assert names == sorted(p.name for p in (tmp_path / f"g{mesh}").iterdir())
@@ -323,8 +323,8 @@ def test_records_are_located_in_bulk_as_one_by_one(moe_dcp: Path, tmp_path: Path
         out = tmp_path / f"out_{refused}"
         if refused:
             with pytest.raises(CorruptCheckpointError, match=f"{path.name}.*metadata says"):
-                reshard.convert(ckpt, out, mesh="4", quiet=True)
+                reshard.convert(ckpt, out, to_mesh="4", quiet=True)
         else:
-            reshard.convert(ckpt, out, mesh="4", quiet=True)
+            reshard.convert(ckpt, out, to_mesh="4", quiet=True)
             loaded = _torch_load(out)
             assert all(torch.equal(loaded[k], t) for k, (t, _) in _moe_state().items())

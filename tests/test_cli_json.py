@@ -149,7 +149,7 @@ def test_compact_json_writes_chunk_columns_exactly_as_json_would(tmp_path: Path)
     state = {"w": torch.zeros(7, 3), 'odd "name",[]': torch.zeros(5), "scalar": torch.tensor(2.0),
              "empty": torch.zeros(0, 4)}
     torch.save(state, tmp_path / "a.pt")
-    reshard.convert(tmp_path / "a.pt", tmp_path / "dcp", mesh="3", quiet=True)
+    reshard.convert(tmp_path / "a.pt", tmp_path / "dcp", to_mesh="3", quiet=True)
     for src in (tmp_path / "a.pt", tmp_path / "dcp"):
         catalog = reshard.inspect(src)
         plain = json.dumps(catalog_json(catalog), separators=(",", ":"))

@@ -262,7 +262,7 @@ def test_a_conversion_detects_the_layout_once(monkeypatch) -> None:
     real = conventions._detect
     monkeypatch.setattr(conventions, "_detect", lambda *a: calls.append(a) or real(*a))
     names, objects, _ = CASES["torchtitan"]
-    build_target(_catalog(names, objects, nested=True), "dcp", ConvertOptions(mesh="2"))
+    build_target(_catalog(names, objects, nested=True), "dcp", ConvertOptions(to_mesh="2"))
     assert len(calls) == 1
-    build_target(_catalog(names, objects, nested=True), "dcp", ConvertOptions(mesh="2", exclude=["train_state.*"]))
+    build_target(_catalog(names, objects, nested=True), "dcp", ConvertOptions(to_mesh="2", exclude=["train_state.*"]))
     assert len(calls) == 3

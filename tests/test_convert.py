@@ -249,7 +249,7 @@ def test_errors_name_options_the_way_the_caller_gives_them(fsdp2_dcp, tmp_path: 
     reshard.convert(fsdp2_dcp[0], out, quiet=True)
     with pytest.raises(OutputExistsError, match=r"pass overwrite=True to replace it"):
         reshard.convert(fsdp2_dcp[0], out, quiet=True)
-    with pytest.raises(UsageError, match=r"keep_per_rank=True applies with mesh="):
+    with pytest.raises(UsageError, match=r"keep_per_rank=True applies with to_mesh="):
         reshard.convert(fsdp2_dcp[0], tmp_path / "x.pt", keep_per_rank=True, quiet=True)
     proc = run_cli("convert", fsdp2_dcp[0], out, "--quiet")
     assert_one_line_error(proc, "pass --overwrite to replace it")
@@ -259,7 +259,7 @@ def test_errors_name_options_the_way_the_caller_gives_them(fsdp2_dcp, tmp_path: 
 def test_results_print_on_one_screen(fsdp2_dcp, tmp_path: Path) -> None:
     from reshard.cli.example import TinyNet
 
-    result = reshard.convert(fsdp2_dcp[0], tmp_path / "out", mesh="3", quiet=True)
+    result = reshard.convert(fsdp2_dcp[0], tmp_path / "out", to_mesh="3", quiet=True)
     text = repr(result)
     assert len(text) < 600 and f"{result.tensors} tensors" in text and "__0_0.distcp" in text, text
     loaded = reshard.load_model(TinyNet(), tmp_path / "out", progress=False)

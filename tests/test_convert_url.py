@@ -35,7 +35,7 @@ def ckpt(tmp_path: Path) -> Path:
     return src
 
 
-OPTIONS = [dict(mesh="2"), dict(dtype="bfloat16"), dict(to="zarr"), dict(to="safetensors"), dict(mesh="3", to="zarr")]
+OPTIONS = [dict(to_mesh="2"), dict(dtype="bfloat16"), dict(to="zarr"), dict(to="safetensors"), dict(to_mesh="3", to="zarr")]
 REFUSED = [dict(compress=True), dict(keep_per_rank=True), dict(to="dcp", max_shard_size="1MB"),
            dict(layout="no-such-layout"), dict(placements="fsdp")]
 
@@ -52,10 +52,10 @@ def test_a_file_url_is_its_local_path_in_every_respect(ckpt: Path) -> None:
     for options in OPTIONS + REFUSED:
         assert _outcome(ckpt, **options) == _outcome(url, **options), options
     assert _files(ckpt.parent) == ["ckpt.pt"]  # dry runs wrote nothing
-    local = reshard.convert(ckpt, mesh="2", quiet=True)
+    local = reshard.convert(ckpt, to_mesh="2", quiet=True)
     with pytest.raises(ReshardError, match="overwrite=True"):  # the same output, the same refusal
-        reshard.convert(url, mesh="2", quiet=True)
-    again = reshard.convert(url, mesh="2", quiet=True, overwrite=True, fsync=True)
+        reshard.convert(url, to_mesh="2", quiet=True)
+    again = reshard.convert(url, to_mesh="2", quiet=True, overwrite=True, fsync=True)
     assert again.dst == local.dst and (Path(again.dst) / ".reshard-manifest.json").is_file()
     assert sorted(os.listdir(ckpt.parent)) == ["ckpt.pt", "ckpt_2"]  # no staging sibling left behind
 

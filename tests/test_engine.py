@@ -102,7 +102,7 @@ def test_more_files_than_the_open_file_limit(tmp_path: Path) -> None:
         "import resource, sys, torch, reshard\n"
         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
         "src, mid, out = sys.argv[1:]\n"
-        "reshard.convert(src, mid, mesh='120', quiet=True)\n"
+        "reshard.convert(src, mid, to_mesh='120', quiet=True)\n"
         "reshard.convert(mid, out, quiet=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "in.pt"), str(tmp_path / "mid"),

@@ -165,7 +165,7 @@ def test_every_layout_converts_as_its_layout_says(saved: Path) -> None:
         assert len(moments) == 18 and len(params) == 6, variant
 
         # --to-mesh 3: every optimizer tensor laid out exactly like its parameter (steps whole).
-        result = reshard.convert(src, saved / f"{variant}_3", mesh="3", quiet=True)
+        result = reshard.convert(src, saved / f"{variant}_3", to_mesh="3", quiet=True)
         assert any(n.startswith(f"layout {EXPECTED[variant]} (") for n in result.notices), result.notices
         out = reshard.inspect(saved / f"{variant}_3")
         for name in moments:

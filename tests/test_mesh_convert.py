@@ -123,11 +123,11 @@ def test_to_mesh_loads_exactly_on_live_meshes(fsdp2_dcp, tmp_path: Path) -> None
     for p in src.iterdir():  # a copy, so that the default destination lands in tmp_path
         (out / "ckpt").mkdir(exist_ok=True)
         (out / "ckpt" / p.name).write_bytes(p.read_bytes())
-    r = reshard.convert(out / "ckpt", mesh="2x2", quiet=True)
+    r = reshard.convert(out / "ckpt", to_mesh="2x2", quiet=True)
     assert r.dst == out / "ckpt_2x2" and r.format == "dcp"
-    assert reshard.convert(out / "ckpt", mesh="4", quiet=True).dst == out / "ckpt_4"
+    assert reshard.convert(out / "ckpt", to_mesh="4", quiet=True).dst == out / "ckpt_4"
     (tmp_path / "plan.json").write_text(json.dumps(PLAN))
-    reshard.convert(out / "ckpt", out / "tp", mesh="dp_shard=2,tp=2", placements=str(tmp_path / "plan.json"), quiet=True)
+    reshard.convert(out / "ckpt", out / "tp", to_mesh="dp_shard=2,tp=2", placements=str(tmp_path / "plan.json"), quiet=True)
     # Each rank's data in its own file: rank r's file holds exactly the boxes assigned to r.
     assert sorted(p.name for p in (out / "ckpt_4").glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     run_world(_world, 4, str(out), str(ref))
@@ -145,7 +145,7 @@ def test_cli_writes_beside_source_and_per_rank_torch_files(fsdp2_dcp, fsdp2_refe
     assert reshard.verify(src, tmp_path / "run_4").equal
 
     # Per-rank torch files: plain tensors any framework can torch.load, plus the layout record.
-    reshard.convert(src, tmp_path / "ranks", to="torch", mesh="3", quiet=True)
+    reshard.convert(src, tmp_path / "ranks", to="torch", to_mesh="3", quiet=True)
     files = sorted((tmp_path / "ranks").glob("rank*.pt"))
     assert [f.name for f in files] == ["rank0.pt", "rank1.pt", "rank2.pt"]
     parts = [torch.load(f, weights_only=True) for f in files]
@@ -173,7 +173,7 @@ def test_torchrun_parallel_output_is_byte_identical(fsdp2_dcp, tmp_path: Path) -
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for name, extra in (("two", []), ("two.zarr", ["--compress", "--max-shard-size", "2KiB"])):
         single = tmp_path / f"one{name.removeprefix('two')}"
-        reshard.convert(src, single, mesh="2x2" if not extra else None, quiet=True, compress=bool(extra),
+        reshard.convert(src, single, to_mesh="2x2" if not extra else None, quiet=True, compress=bool(extra),
                         max_shard_size="2KiB" if extra else None)
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -185,6 +185,14 @@ def test_torchrun_parallel_output_is_byte_identical(fsdp2_dcp, tmp_path: Path) -
         assert len(one) > 4 and one.keys() == two.keys() and [k for k in one if one[k] != two[k]] == [], name
         assert not list(tmp_path.glob(f".{name}.reshard-*"))
     assert reshard.verify(src, tmp_path / "two.zarr").equal  # the compressed store holds the source
+    # --overwrite of a folder holding a user's file: rank 0 decides, the job says it once, nothing goes
+    (tmp_path / "two" / "mine.txt").write_text("mine")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "reshard", "convert", str(src), str(tmp_path / "two"), "--to-mesh", "2x2", "--overwrite", "--quiet"],
+        capture_output=True, text=True, timeout=HANG_GUARD, env=env)
+    assert proc.returncode != 0 and proc.stderr.count("did not write (mine.txt)") == 1, proc.stderr[-3000:]
+    assert (tmp_path / "two" / "mine.txt").read_text() == "mine" and (tmp_path / "two" / ".metadata").exists()
 
 
 def test_mesh_parsing_and_refusals(fsdp2_dcp, tmp_path: Path) -> None:
@@ -203,17 +211,17 @@ def test_mesh_parsing_and_refusals(fsdp2_dcp, tmp_path: Path) -> None:
     plan = tmp_path / "p.json"
     plan.write_text(json.dumps({"placements": {"nothing.*": ["Shard(0)"]}, "default": ["Shard(0)"]}))
     with pytest.raises(UsageError, match="match no tensor"):
-        reshard.convert(src, tmp_path / "a", mesh="2", placements=str(plan), quiet=True)
+        reshard.convert(src, tmp_path / "a", to_mesh="2", placements=str(plan), quiet=True)
     plan.write_text(json.dumps({"placements": {"*": ["Shard(1)"]}}))
     with pytest.raises(UsageError, match="does not fit"):
-        reshard.convert(src, tmp_path / "b", mesh="2", placements=str(plan), quiet=True)
+        reshard.convert(src, tmp_path / "b", to_mesh="2", placements=str(plan), quiet=True)
     plan.write_text(json.dumps({"mesh": ["dp_shard", "tp"], "placements": {"*": ["Shard(0)", "Shard(0)"]}}))
     with pytest.raises(UsageError, match="written for a mesh"):
-        reshard.convert(src, tmp_path / "c", mesh="dp_replicate=2,dp_shard=2", placements=str(plan), quiet=True)
+        reshard.convert(src, tmp_path / "c", to_mesh="dp_replicate=2,dp_shard=2", placements=str(plan), quiet=True)
     with pytest.raises(UsageError, match="whole tensors"):
-        reshard.convert(src, tmp_path / "d.safetensors", mesh="2", quiet=True)
+        reshard.convert(src, tmp_path / "d.safetensors", to_mesh="2", quiet=True)
     with pytest.raises(UsageError, match="1-D mesh"):
-        reshard.convert(src, tmp_path / "e", mesh="2x2", placements="fsdp", quiet=True)
+        reshard.convert(src, tmp_path / "e", to_mesh="2x2", placements="fsdp", quiet=True)
     assert not any(tmp_path.glob("[abcde]*")) and not any(tmp_path.glob(".*reshard-*"))
 
 

@@ -41,7 +41,7 @@ def test_the_api_and_the_cli_refuse_the_same_options_before_reading(given: dict,
 
 
 def test_options_are_named_as_their_caller_writes_them() -> None:
-    with pytest.raises(UsageError, match=r"placements= needs mesh="):
+    with pytest.raises(UsageError, match=r"placements= needs to_mesh="):
         ConvertOptions(placements="fsdp")
     proc = run_cli("convert", "nowhere", "--placements", "fsdp")
     assert_one_line_error(proc, "--placements needs --to-mesh")
@@ -210,7 +210,7 @@ PUBLIC_SHAPES = [
     ("reshard.runtime.load:load_model", ("model", "source", "optimizer")),
     ("reshard.runtime.load:load_state_dict", ("state_dict", "source")),
     ("reshard.features.hub:push", ("folder", "repo_id")),
-    ("reshard.commands.validate:validate", ("from_mesh", "mesh")),
+    ("reshard.commands.validate:validate", ("from_mesh", "to_mesh")),
 ]
 
 
@@ -239,12 +239,35 @@ def test_the_shape_rule_sees_a_positional_option() -> None:
 
 
 def test_validate_takes_the_mesh_as_convert_does() -> None:
-    """``--to-mesh`` is ``mesh`` in every command; validate's former ``to_mesh=`` still works,
-    with a DeprecationWarning (checked before any rank is spawned)."""
+    """``--to-mesh`` is ``to_mesh=`` in every command; the former ``mesh=`` still works, with
+    a DeprecationWarning naming the release that removes it (checked before any rank is spawned)."""
     from reshard.commands.validate import validate
 
-    with pytest.warns(DeprecationWarning, match=r"validate\(to_mesh=...\) is now validate\(mesh=...\)"):
+    with pytest.warns(DeprecationWarning, match=r"validate\(mesh=...\) is now validate\(to_mesh=...\); mesh= is removed in "
+                                                r"reshard 0\.4"):
         with pytest.raises(UsageError, match="--via"):
-            validate("2", to_mesh="3", via=())
-    with pytest.raises(UsageError, match="validate needs mesh="):
+            validate("2", mesh="3", via=())
+    with pytest.raises(UsageError, match="validate needs to_mesh="):
         validate("2")
+
+
+def test_convert_takes_the_keyword_its_flag_names(fsdp2_dcp, tmp_path) -> None:
+    """``--to-mesh`` is ``to_mesh=``; ``mesh=`` still works, warning which release removes it."""
+    import warnings
+
+    import reshard
+    from reshard.formats.options import ConvertOptions
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        four = reshard.convert(fsdp2_dcp[0], tmp_path / "out", to_mesh="4", quiet=True)
+    assert (tmp_path / "out" / "__3_0.distcp").exists() and not (tmp_path / "out" / "__4_0.distcp").exists()
+    assert four.ranks is None or len(four.ranks) == 4
+    with pytest.warns(DeprecationWarning, match=r"reshard\.convert\(mesh=...\) is now reshard\.convert\(to_mesh=...\); "
+                                                r"mesh= is removed in reshard 0\.4"):
+        old = reshard.convert(fsdp2_dcp[0], tmp_path / "old", mesh="4", quiet=True)
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in (tmp_path / "out").iterdir())
+    with pytest.warns(DeprecationWarning):
+        assert ConvertOptions(mesh="2").to_mesh == "2"
+    with pytest.raises(UsageError, match="disagree"):
+        ConvertOptions(mesh="2", to_mesh="3")

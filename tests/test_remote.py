@@ -114,7 +114,7 @@ def test_dcp_from_fsspec_writer_to_safetensors_and_mesh_and_back(memfs: Any, tmp
     _assert_same(safetensors_torch.load_file(out), want)
 
     # --to-mesh 3 onto the store: torch reads it back exactly, and the optimizer was resharded too
-    r = reshard.convert("memory://ckpts/run", "memory://ckpts/run3", mesh="3", quiet=True)
+    r = reshard.convert("memory://ckpts/run", "memory://ckpts/run3", to_mesh="3", quiet=True)
     assert r.format == "dcp" and sorted(memfs.ls("/ckpts/run3", detail=False))[0].endswith(".metadata")
     _assert_same(_load_with_torch("memory://ckpts/run3", state), want)
     inspected = reshard.inspect("memory://ckpts/run3")
@@ -153,23 +153,39 @@ def test_an_interrupted_write_leaves_nothing_that_reads_as_a_checkpoint(memfs: A
 
     monkeypatch.setattr(sinks._Upload, "write_at", dies_on_the_second_file)
     with pytest.raises(KeyboardInterrupt):
-        reshard.convert("memory://ckpts/run", "memory://ckpts/cut", mesh="3", workers=1, quiet=True)
+        reshard.convert("memory://ckpts/run", "memory://ckpts/cut", to_mesh="3", workers=1, quiet=True)
     assert not memfs.exists("/ckpts/cut/.metadata")
     assert memfs.find("/ckpts/cut") == []  # what was put is deleted again
     with pytest.raises(CheckpointNotFoundError, match="memory://ckpts/cut: no such file"):
         reshard.inspect("memory://ckpts/cut")
     monkeypatch.setattr(sinks._Upload, "write_at", real)
 
-    # killed outright (no cleanup): the data files without .metadata read as no checkpoint, by
-    # torch or reshard, and the next write refuses them until --overwrite
-    memfs.pipe_file("/ckpts/cut/__0_0.distcp", b"x" * 100)
+    # killed outright (no cleanup, as SIGKILL leaves it): the data files without .metadata read
+    # as no checkpoint, by torch or reshard, and the next write refuses them until --overwrite,
+    # which may clear them: the claim put first says they are reshard's
+    monkeypatch.setattr(sinks._Upload, "write_at", dies_on_the_second_file)
+    monkeypatch.setattr(sinks.RemoteSink, "abort", lambda self: None)
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        reshard.convert("memory://ckpts/run", "memory://ckpts/cut", to_mesh="3", workers=1, quiet=True)
+    monkeypatch.undo()
+    left = memfs.find("/ckpts/cut")
+    assert "/ckpts/cut/.reshard-writing.json" in left and any(k.endswith(".distcp") for k in left)
     with pytest.raises(CheckpointException, match="metadata read failed"):
         dcp.load(_zeros_like(state), storage_reader=FsspecReader("memory://ckpts/cut"))
     with pytest.raises(UnsupportedFormatError, match="not a checkpoint"):
         reshard.inspect("memory://ckpts/cut")
     with pytest.raises(OutputExistsError, match="unfinished write"):
-        reshard.convert("memory://ckpts/run", "memory://ckpts/cut", mesh="3", quiet=True)
-    reshard.convert("memory://ckpts/run", "memory://ckpts/cut", mesh="3", overwrite=True, quiet=True)
+        reshard.convert("memory://ckpts/run", "memory://ckpts/cut", to_mesh="3", quiet=True)
+    # an object reshard did not put there is the user's: --overwrite refuses, nothing deleted
+    memfs.pipe_file("/ckpts/cut/notes.txt", b"mine")
+    with pytest.raises(OutputExistsError, match=r"did not write \(notes.txt\)"):
+        reshard.convert("memory://ckpts/run", "memory://ckpts/cut", to_mesh="3", overwrite=True, quiet=True)
+    assert memfs.find("/ckpts/cut") == sorted([*left, "/ckpts/cut/notes.txt"])
+    memfs.rm_file("/ckpts/cut/notes.txt")
+    reshard.convert("memory://ckpts/run", "memory://ckpts/cut", to_mesh="3", overwrite=True, quiet=True)
+    assert "/ckpts/cut/.reshard-writing.json" not in memfs.find("/ckpts/cut")
+    assert "/ckpts/cut/.reshard-manifest.json" in memfs.find("/ckpts/cut")
     _assert_same(_load_with_torch("memory://ckpts/cut", state), _tensors(state))
     with pytest.raises(OutputExistsError, match="already holds a checkpoint"):
         reshard.convert("memory://ckpts/run", "memory://ckpts/cut", quiet=True)
@@ -177,7 +193,7 @@ def test_an_interrupted_write_leaves_nothing_that_reads_as_a_checkpoint(memfs: A
     # sharded safetensors whose index never arrived: refused, not read as a smaller model
     reshard.convert("memory://ckpts/run", "memory://ckpts/st", to="safetensors", max_shard_size="300B", quiet=True)
     memfs.rm_file("/ckpts/st/model.safetensors.index.json")
-    first = sorted(memfs.ls("/ckpts/st", detail=False))[0]
+    first = sorted(k for k in memfs.ls("/ckpts/st", detail=False) if k.endswith(".safetensors"))[0]
     memfs.rm_file(first)
     with pytest.raises(CorruptCheckpointError, match="no index"):
         reshard.inspect("memory://ckpts/st")
@@ -186,7 +202,7 @@ def test_an_interrupted_write_leaves_nothing_that_reads_as_a_checkpoint(memfs: A
 def test_what_cannot_go_to_a_url_is_refused(memfs: Any, tmp_path: Path) -> None:
     torch.save({"w": torch.ones(4)}, tmp_path / "a.pt")
     with pytest.raises(UsageError, match="per-rank torch files"):
-        reshard.convert(tmp_path / "a.pt", "memory://ckpts/ranks", to="torch", mesh="2", quiet=True)
+        reshard.convert(tmp_path / "a.pt", "memory://ckpts/ranks", to="torch", to_mesh="2", quiet=True)
     torch.save({"w": torch.ones(4)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     memfs.put_file(str(tmp_path / "old.pt"), "/ckpts/old.pt")
     with pytest.raises(UnsupportedFormatError, match="pre-1.6 torch.save file, read from local files only"):

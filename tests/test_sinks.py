@@ -90,7 +90,7 @@ def test_local_remote_and_zarr_outputs_share_the_schedule_and_the_sink(tmp_path:
 
     # a local DCP folder laid out for 3 ranks, cast on the way (the int step kernel-copied into the sink file's fd)
     out = tmp_path / "dcp3"
-    reshard.convert(src, out, mesh="3", dtype="bfloat16", quiet=True, max_memory="4KiB")
+    reshard.convert(src, out, to_mesh="3", dtype="bfloat16", quiet=True, max_memory="4KiB")
     assert counted["sinks"] == ["StagedSink"] and counted["schedules"] == [str(out)]
     data_files = {p.name: p.stat().st_size for p in out.glob("*.distcp")}
     assert len(data_files) == 3 and {Path(p).name: n for p, n in counted["local"].items()} == data_files

@@ -153,7 +153,7 @@ def test_layout_is_detected_and_optimizer_state_follows_its_parameter(titan: Pat
 
 
 def test_resume_on_three_ranks_restores_everything(titan: Path) -> None:
-    out = reshard.convert(titan / "model", titan / "model_3", mesh="3", quiet=True)
+    out = reshard.convert(titan / "model", titan / "model_3", to_mesh="3", quiet=True)
     assert any("dataloader.dp_rank_0.sample" in n for n in out.notices)  # per-rank state named, not carried
     cat = reshard.inspect(titan / "model_3")
     for name, entry in cat.tensors.items():

@@ -129,10 +129,10 @@ def inspect(src: Src, given: Given) -> None:
 
     catalog = reshard.inspect(src, options=given.build(SourceOptions))
     summary = None
-    if given.mesh is not None:
+    if given.to_mesh is not None:
         from reshard.pipeline.mesh_report import summarize_for_mesh
 
-        summary = summarize_for_mesh(catalog, **given.kwargs(summarize_for_mesh))
+        summary = summarize_for_mesh(catalog, given.to_mesh, given.placements)
     elif given.placements is not None:
         raise UsageError("--placements needs --to-mesh")
     if given.as_json:
@@ -277,13 +277,13 @@ def push(
 @takes_flags("train")
 def train(given: Given) -> None:
     """Train the project's Llama-style model with FSDP2 on synthetic data (spawns --nproc ranks, or runs under torchrun)."""
-    mesh = given.mesh
+    mesh = given.to_mesh
     if mesh is None:
         raise UsageError("train needs --to-mesh: the mesh to train on (N, RxS or dp_replicate=R,dp_shard=S)")
     from reshard.train.launch import launch
     from reshard.train.loop import TrainConfig
 
-    cfg = given.build(TrainConfig, mesh=mesh, log=not (given.quiet or given.as_json))
+    cfg = given.build(TrainConfig, to_mesh=mesh, log=not (given.quiet or given.as_json))
     result = launch(cfg, **given.kwargs(launch))
     if os.environ.get("RANK", "0") != "0":
         return

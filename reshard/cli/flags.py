@@ -130,12 +130,12 @@ FLAGS: tuple[Flag, ...] = (
     # --- what a conversion makes
     Flag("to", ("--to",), Optional[str], "Output format: {write_formats} (torch with --to-mesh: one file per rank); default "
          "from DST's suffix, else dcp.", ("convert",)),
-    Flag("mesh", ("--to-mesh",), Optional[str], "Target device mesh: 8, 4x8, dp_replicate=4,dp_shard=8, dp_shard=4,tp=2.",
+    Flag("to_mesh", ("--to-mesh",), Optional[str], "Target device mesh: 8, 4x8, dp_replicate=4,dp_shard=8, dp_shard=4,tp=2.",
          ("inspect", "convert")),
-    Flag("mesh", ("--to-mesh",), Optional[str], "Data-parallel mesh to train on: N (FSDP), RxS or dp_replicate=R,dp_shard=S "
+    Flag("to_mesh", ("--to-mesh",), Optional[str], "Data-parallel mesh to train on: N (FSDP), RxS or dp_replicate=R,dp_shard=S "
          "(HSDP).", ("train",)),
     Flag("from_mesh", ("--from-mesh",), str, "Mesh the checkpoint is trained and saved on.", ("validate",), default=...),
-    Flag("mesh", ("--to-mesh",), str, "Mesh every converted checkpoint is resumed on.", ("validate",), default=...),
+    Flag("to_mesh", ("--to-mesh",), str, "Mesh every converted checkpoint is resumed on.", ("validate",), default=...),
     Flag("placements", ("--placements",), Optional[str], "With --to-mesh: fsdp (1-D default), hsdp (2-D default), fsdp+tp "
          "(default for dp_shard=S,tp=T), or a PLAN.json.", ("inspect", "convert")),
     Flag("keep_per_rank", ("--keep-per-rank",), bool, "With --to-mesh on another rank count: carry per-rank state (RNG, data "
@@ -173,8 +173,8 @@ FLAGS: tuple[Flag, ...] = (
          "2*10^9 bytes.", ("convert", "verify"), default="1GiB", value=_cli_budget),
     Flag("dry_run", ("--dry-run",), bool, "Plan and check everything, print what would be written, write nothing.",
          ("convert",), default=False),
-    Flag("overwrite", ("--overwrite",), bool, "Replace DST if it exists (only once the new output is complete).",
-         ("convert",), default=False),
+    Flag("overwrite", ("--overwrite",), bool, "Replace DST if it is a file or a folder reshard wrote; nothing else is "
+         "deleted (only once the new output is complete).", ("convert",), default=False),
     Flag("fsync", ("--fsync",), bool, "Sync the output to disk before it appears (durable across power loss; slower).",
          ("convert",), default=False),
     # --- pushing to the Hub
@@ -232,7 +232,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("debug", ("--debug",), bool, "Show the full traceback on errors, and debug detail.", _ALL, default=False,
          callback=_debug),
     # Former spellings, hidden: still taken, with a notice naming the flag that means the same in every command.
-    Flag("former_mesh", ("--mesh",), Optional[str], "", ("train",), hidden=True, renames="mesh"),
+    Flag("former_mesh", ("--mesh",), Optional[str], "", ("train",), hidden=True, renames="to_mesh"),
     Flag("former_model", ("--config",), Optional[str], "", ("train", "validate"), hidden=True, renames="model"),
 )
 

@@ -13,7 +13,7 @@ from typing import Any
 from reshard.core.catalog import Catalog, pick_objects
 from reshard.core.conventions import Layout, detect_layout, layout_notices
 from reshard.core.dtypes import parse_dtype
-from reshard.core.errors import OutputExistsError, SourceChangedError, UsageError, option
+from reshard.core.errors import OutputExistsError, ReshardError, SourceChangedError, UsageError, option
 from reshard.core.fd_pool import FdPool
 from reshard.core.gc_pause import paused_gc
 from reshard.core.log import log_notices
@@ -146,7 +146,7 @@ def convert(
 
     Lossless unless asked otherwise: names, dtypes and every bit of every tensor are kept;
     objects travel where the target can hold them (``ConvertResult.notices`` says what
-    could not). With ``mesh`` (``"8"``, ``"4x8"``, ``"dp_shard=4,tp=2"``) the output is laid
+    could not). With ``to_mesh`` (``"8"``, ``"4x8"``, ``"dp_shard=4,tp=2"``) the output is laid
     out for that device mesh: each tensor stored as the target ranks' shards under
     ``placements`` (``fsdp``, ``hsdp``, ``fsdp+tp`` or a PLAN.json). Peak memory is bounded
     by ``max_memory``, not by the checkpoint size. The output appears atomically;
@@ -154,7 +154,7 @@ def convert(
     share the work and write one output.
 
     >>> reshard.convert("ckpt/", "model.safetensors", only="model", dtype="bfloat16")
-    >>> reshard.convert("ckpt/", to="dcp", mesh="4x8")  # writes ckpt_4x8/ beside ckpt/
+    >>> reshard.convert("ckpt/", to="dcp", to_mesh="4x8")  # writes ckpt_4x8/ beside ckpt/
     >>> reshard.convert("ckpt/", to="hf", dtype="bfloat16")  # ckpt_hf/, for from_pretrained
 
     ``keymap`` (a preset such as ``hf-to-titan`` or a JSON map) renames tensors on the way; a
@@ -193,8 +193,9 @@ def convert(
 def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: ConvertOptions, start: float,
              reads: FdPool | None = None) -> ConvertResult:
     dst_path = local_path(dst) if dst is not None else None
+    given_src = local_path(src)
     if dst_path is not None and not opts.dry_run:  # a taken name fails before anything is read
-        _refuse_taken(dst_path, opts.overwrite)
+        _refuse_taken(dst_path, opts.overwrite, (given_src,) if given_src is not None and given_src.exists() else ())
     source = resolve_source(src, opts.source)
     remote_dst = str(dst) if dst is not None and dst_path is None else None  # an fsspec URL (reshard.pipeline.sinks)
     catalog = source.catalog
@@ -219,7 +220,7 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
         dst_path = default_destination(source.beside, to, sharded=opts.shard_bytes is not None,
                                        mesh_label=spec.label if spec else None, dtype=cast)
         if not opts.dry_run:
-            _refuse_taken(dst_path, opts.overwrite)
+            _refuse_taken(dst_path, opts.overwrite, (source.path,) if source.path is not None else ())
     out = dst_path if dst_path is not None else remote_dst
     assert out is not None  # the DST given, or its default
     check_output_options(Path(out), to, opts)
@@ -256,13 +257,21 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
     return result(time.perf_counter() - start, stats.kernel_bytes)
 
 
-def _refuse_taken(dst: Path, overwrite: bool) -> None:
-    """``staging.refuse_taken`` before the work: every rank of a torchrun job meets it alike,
-    before any has written, so rank 0 alone says it."""
-    try:
-        refuse_taken(dst, overwrite)
-    except OutputExistsError as e:
-        raise mark_shared(e) from None
+def _refuse_taken(dst: Path, overwrite: bool, sources: tuple[Path, ...]) -> None:
+    """``staging.refuse_taken`` before the work. In a torchrun job rank 0 decides (the ranks
+    may see the shared folder at different moments) and every rank raises its answer before
+    any has written, which rank 0 alone prints."""
+    workers = current_workers()
+    refused: ReshardError | None = None
+    if workers is None or workers.rank == 0:
+        try:
+            refuse_taken(dst, overwrite, sources)
+        except (OutputExistsError, UsageError) as e:
+            refused = e
+    if workers is not None:
+        refused = workers.share(refused)
+    if refused is not None:
+        raise mark_shared(refused) from None
 
 
 def _refuse_overlap(src: str | os.PathLike, url: str, storage_options: dict | None) -> None:
@@ -317,7 +326,7 @@ def build_target(catalog: Catalog, to: str, opts: ConvertOptions) -> tuple[Catal
     by its registry entry's ``prepare``: HF model tensors for ``hf``), the writer's format name,
     the target, and the mesh. Every check that can refuse the
     conversion runs here, before a byte is written; local and URL conversions share it."""
-    mesh, placements, dtype, only, keymap = opts.mesh, opts.placements, opts.dtype, opts.only, opts.keymap
+    mesh, placements, dtype, only, keymap = opts.to_mesh, opts.placements, opts.dtype, opts.only, opts.keymap
     layout, config = opts.layout, opts.config
     # Before anything is read for it (an HF export reads configs, adapters): options this output does not take.
     _refuse_options_not_taken(to, opts, opts.output_options_set())

@@ -91,7 +91,7 @@ def convert_path(name: str, ckpt: Path, workdir: Path, to_mesh: str) -> list[Pat
 
     if name == "dcp":
         out = workdir / f"dcp_{to_mesh}"
-        reshard.convert(ckpt, out, to="dcp", mesh=to_mesh, quiet=True)
+        reshard.convert(ckpt, out, to="dcp", to_mesh=to_mesh, quiet=True)
         return [out]
     mid = workdir / f"{name}{default_suffix(name)}"
     reshard.convert(ckpt, mid, to=name, quiet=True)
@@ -173,7 +173,7 @@ def _compare(row: PathResult, resumed: dict[str, Any], reference: dict[int, floa
 
 def validate(
     from_mesh: str,
-    mesh: str | None = None,
+    to_mesh: str | None = None,
     *,
     steps: int = 3,
     via: tuple[str, ...] | list[str] = PATHS,
@@ -183,10 +183,10 @@ def validate(
     workdir: str | os.PathLike | None = None,
     device: str = "cpu",
     timeout: float = 1800.0,
-    to_mesh: str | None = None,
+    mesh: str | None = None,
 ) -> ValidateResult:
     """Train ``steps`` on ``from_mesh``, convert through each path in ``via``, resume each on
-    ``mesh`` (``--to-mesh``, as in ``convert`` and ``train``; ``to_mesh=`` is its former name)
+    ``to_mesh`` (``--to-mesh``, as in ``convert`` and ``train``; ``mesh=`` is its former name)
     for ``steps`` more, and compare with an uninterrupted ``2 * steps`` run.
 
     >>> result = reshard.commands.validate.validate("2", "3", steps=3)
@@ -194,18 +194,18 @@ def validate(
 
     ``workdir`` keeps the checkpoints and conversions (default: a temp dir, removed after).
     """
-    to_mesh = former_keyword("validate", "to_mesh", "mesh", to_mesh, mesh)
+    to_mesh = former_keyword("validate", "mesh", "to_mesh", mesh, to_mesh)
     if to_mesh is None:
-        raise UsageError("validate needs mesh=: the mesh every converted checkpoint is resumed on")
+        raise UsageError("validate needs to_mesh=: the mesh every converted checkpoint is resumed on")
     started = time.perf_counter()
     unknown = [v for v in via if v not in PATHS]
     if unknown or not via:
         raise UsageError(f"--via {','.join(unknown) or '(empty)'}: choose among {', '.join(PATHS)}")
     if steps < 1:
         raise UsageError("--steps must be at least 1")
-    base = TrainConfig(mesh=from_mesh, model=model, steps=2 * steps, global_batch=global_batch,
+    base = TrainConfig(to_mesh=from_mesh, model=model, steps=2 * steps, global_batch=global_batch,
                        digest_at=(steps,), log=False)
-    n_from, n_to = check_config(base).world_size, check_config(replace(base, mesh=to_mesh)).world_size
+    n_from, n_to = check_config(base).world_size, check_config(replace(base, to_mesh=to_mesh)).world_size
     with tempfile.TemporaryDirectory(prefix="reshard-validate-") as tmp:
         work = Path(workdir) if workdir is not None else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -220,7 +220,7 @@ def validate(
                 sources.append((row.name, str(final)))
         if sources:
             try:
-                resumed = spawn(_resume_all, n_to, sources, replace(base, mesh=to_mesh), device=device, timeout=timeout)
+                resumed = spawn(_resume_all, n_to, sources, replace(base, to_mesh=to_mesh), device=device, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - the world died: every path it carried failed
                 resumed = {name: {"error": f"the world on mesh {to_mesh} failed: {e}"} for name, _ in sources}
             for row in rows:

@@ -39,7 +39,7 @@ from pathlib import Path, PurePosixPath
 from reshard.core.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["MANIFEST_NAME", "ALGORITHM", "LOADED_BY_NAME", "FileDigest", "ManifestProblem", "file_digest",
-           "write_manifest", "read_manifest", "check_manifest"]
+           "write_manifest", "manifest_bytes", "read_manifest", "parse_manifest", "check_manifest"]
 
 MANIFEST_NAME = ".reshard-manifest.json"
 ALGORITHM = "sha256"
@@ -149,18 +149,22 @@ def write_manifest(root: Path, *, workers: int | None = None, known: dict[str, F
     present = _files(root)
     reuse = {r: d for r, d in (known or {}).items() if r in set(present) and (root / r).stat().st_size == d.size}
     digests = {**reuse, **_digests(root, [r for r in present if r not in reuse], workers)}
-    digests = {r: digests[r] for r in present}
-    doc = {
-        "reshard_manifest": _VERSION,
-        "algorithm": ALGORITHM,
-        "files": {rel: {"size": d.size, ALGORITHM: d.sha256} for rel, d in digests.items()},
-    }
     path = root / MANIFEST_NAME
-    path.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    path.write_bytes(manifest_bytes({r: digests[r] for r in present}))
     return path
 
 
-def _safe_relpath(manifest: Path, rel: object) -> str:
+def manifest_bytes(digests: dict[str, FileDigest]) -> bytes:
+    """The manifest listing ``digests`` (relative POSIX path -> size and SHA-256), as written."""
+    doc = {
+        "reshard_manifest": _VERSION,
+        "algorithm": ALGORITHM,
+        "files": {rel: {"size": d.size, ALGORITHM: d.sha256} for rel, d in sorted(digests.items())},
+    }
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+def _safe_relpath(manifest: Path | str, rel: object) -> str:
     """A manifest names files inside its folder only: a hostile one must not make us read
     (and report on) /etc/shadow or ../other_ckpt."""
     if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
@@ -186,8 +190,15 @@ def read_manifest(root: Path) -> dict[str, FileDigest]:
             "reshard verify SRC DST")
     if path.stat().st_size > _MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{path}: larger than {_MAX_MANIFEST_BYTES} bytes; not a reshard manifest")
+    return parse_manifest(path.read_bytes(), path)
+
+
+def parse_manifest(data: bytes, path: Path | str) -> dict[str, FileDigest]:
+    """The validated manifest in ``data`` (read from ``path``, which errors name)."""
+    if len(data) > _MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{path}: larger than {_MAX_MANIFEST_BYTES} bytes; not a reshard manifest")
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(data)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("reshard_manifest") != _VERSION or doc.get("algorithm") != ALGORITHM:

@@ -103,7 +103,7 @@ def mesh_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def summarize_for_mesh(catalog: Catalog, mesh: str, placements: str | None) -> dict[str, Any]:
-    spec = parse_mesh(mesh)
+def summarize_for_mesh(catalog: Catalog, to_mesh: str, placements: str | None) -> dict[str, Any]:
+    spec = parse_mesh(to_mesh)
     layout = detect_layout(catalog)
     return mesh_summary(mesh_target(catalog, spec, load_placement_plan(placements, spec), layout=layout), layout)

@@ -30,7 +30,8 @@ from reshard.core.errors import UsageError, option
 from reshard.core.sizes import format_size, parse_size
 
 __all__ = ["SourceOptions", "LoadOptions", "OutputOption", "WriterOptions", "MAX_SHARD_SIZE", "MIN_MEMORY", "LOAD_MODES",
-           "check_budget", "shard_bytes", "former_keyword"]
+           "check_budget", "shard_bytes", "former_keyword",
+           "FORMER_KEYWORDS_REMOVED_IN"]
 
 MIN_MEMORY = 1 << 20  # the command line's floor: a smaller --max-memory is a slip (512 meaning 512MiB)
 LOAD_MODES = ("auto", "rank0", "parallel")
@@ -49,15 +50,22 @@ def check_budget(max_memory: str | int, floor: int = 1) -> int:
                          "e.g. 512MiB")
     return budget
 
-def former_keyword(function: str, former: str, now: str, former_value: Any, value: Any) -> Any:
+# The release that stops taking the keywords renamed in 0.2 (mesh= is to_mesh=, source_options=
+# is options=): each former name's warning says it.
+FORMER_KEYWORDS_REMOVED_IN = "0.4"
+
+
+def former_keyword(function: str, former: str, now: str, former_value: Any, value: Any, *,
+                   removed_in: str = FORMER_KEYWORDS_REMOVED_IN) -> Any:
     """``value``, or ``former_value`` when the caller used a keyword's former name (still
-    taken, with a ``DeprecationWarning`` naming the new one): every public function takes its
-    inputs, then its options by the same names."""
+    taken, with a ``DeprecationWarning`` naming the new one and the release that removes the
+    old): every public function takes its inputs, then its options by the same names."""
     if former_value is None:
         return value
     if value is not None and value != former_value:
         raise UsageError(f"{now}={value!r} and {former}={former_value!r} disagree; {former}= is {now}='s former name")
-    warnings.warn(f"{function}({former}=...) is now {function}({now}=...)", DeprecationWarning, stacklevel=3)
+    warnings.warn(f"{function}({former}=...) is now {function}({now}=...); {former}= is removed in reshard {removed_in}",
+                  DeprecationWarning, stacklevel=3)
     return former_value
 
 

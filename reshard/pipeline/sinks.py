@@ -29,6 +29,7 @@ And two ways an output appears, each the sink's own business (``open``, ``commit
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -40,7 +41,8 @@ from reshard.core.errors import OutputExistsError, option
 from reshard.core.fd_pool import FdPool
 from reshard.core.sizes import format_size
 from reshard.core.storage import RemotePath, forget_cached
-from reshard.pipeline.manifest import FileDigest
+from reshard.pipeline.manifest import MANIFEST_NAME, FileDigest, file_digest, manifest_bytes
+from reshard.pipeline.replace import CLAIM_NAME, claim_bytes, refusal, remote_foreign
 from reshard.pipeline.staging import StagedOutput
 
 if TYPE_CHECKING:
@@ -246,12 +248,17 @@ class _Upload:
 
     def __init__(self, stream: BinaryIO, url: str) -> None:
         self.stream, self.url, self.at = stream, url, 0
+        self.sha256 = hashlib.sha256()  # hashed on the way: the manifest needs no second read of the store
 
     def write_at(self, offset: int, data: memoryview | bytes) -> None:
         if offset != self.at:
             raise AssertionError(f"{self.url}: an upload is written in order (at {self.at}, asked for {offset})")
         self.stream.write(data)
+        self.sha256.update(data)
         self.at += memoryview(data).nbytes
+
+    def digest(self) -> FileDigest:
+        return FileDigest(self.at, self.sha256.hexdigest())
 
     def written(self, offset: int, nbytes: int) -> None:
         pass
@@ -271,6 +278,7 @@ class RemoteSink:
         self.where: Path | RemotePath = self.root
         self.is_dir, self.overwrite, self.marker = is_dir, overwrite, marker
         self._put: list[RemotePath] = []
+        self._digests: dict[str, FileDigest] = {}
         self._committed = False
 
     def _is_marker(self, key: str) -> bool:
@@ -281,7 +289,9 @@ class RemoteSink:
         return self.root / relpath if relpath else self.root
 
     def open(self) -> None:
-        """Refuse a URL that holds anything, or (``overwrite``) empty it, markers first."""
+        """Refuse a URL that holds anything, or (``overwrite``) empty it, markers first: one
+        object, or a prefix of what a previous reshard output wrote there (its manifest lists
+        them; ``reshard.pipeline.replace``), nothing else."""
         forget_cached(self.root)
         if not self.root.exists():
             return
@@ -293,12 +303,29 @@ class RemoteSink:
             what = "a checkpoint" if one_file or any(self._is_marker(k) for k in keys) else "data (an unfinished write?)"
             raise OutputExistsError(f"{self.root} already holds {what}; pass {option('--overwrite', 'overwrite=True')} "
                                     "to replace it")
+        if not one_file:
+            prefix = self.root.path.rstrip("/") + "/"
+            manifest, claim = self._dest(MANIFEST_NAME), self._dest(CLAIM_NAME)
+            foreign = remote_foreign([k.removeprefix(prefix) for k in keys],
+                                     manifest.fs.cat_file(manifest.path) if manifest.path in keys else None,
+                                     claim.fs.cat_file(claim.path) if claim.path in keys else None, manifest.url)
+            if foreign:
+                raise refusal(self.root, foreign, "prefix")
         keys.sort(key=lambda k: not self._is_marker(k))
         for key in keys:
             self.root.fs.rm_file(key)
 
     def prepare(self, files: list[tuple[str, int]]) -> None:
-        pass
+        """A folder's claim goes first: a write killed before its manifest is put is still
+        known to be reshard's, and ``--overwrite`` may clear it (``reshard.pipeline.replace``)."""
+        if self.is_dir:
+            self._claim([rel for rel, _ in files])
+
+    def _claim(self, names: list[str]) -> None:
+        dest = self._dest(CLAIM_NAME)
+        if not any(put.path == dest.path for put in self._put):
+            self._put.append(dest)
+        dest.fs.pipe_file(dest.path, claim_bytes(names))
 
     @contextmanager
     def file(self, relpath: str) -> Iterator[_Upload]:
@@ -307,8 +334,9 @@ class RemoteSink:
         dest = self._dest(relpath)
         self._put.append(dest)
         stream = dest.open("wb")
+        upload = _Upload(stream, dest.url)
         try:
-            yield _Upload(stream, dest.url)
+            yield upload
         except BaseException:
             discard = getattr(stream, "discard", None)
             if callable(discard):
@@ -317,6 +345,7 @@ class RemoteSink:
                 stream.close()
             raise
         stream.close()
+        self._digests[relpath] = upload.digest()
 
     def local_path(self, relpath: str) -> Path | None:
         return None
@@ -335,10 +364,17 @@ class RemoteSink:
             with tempfile.TemporaryDirectory(prefix="reshard-finish-") as tmp:
                 writer.finish(Path(tmp), target, files)
                 made = [(p.relative_to(tmp).as_posix(), p) for p in Path(tmp).rglob("*") if p.is_file()]
+                # the manifest, as a local folder output has: what a later --overwrite may replace
+                listed = {**self._digests, **{rel: file_digest(p) for rel, p in made}}
+                (Path(tmp) / MANIFEST_NAME).write_bytes(manifest_bytes(listed))
+                made.append((MANIFEST_NAME, Path(tmp) / MANIFEST_NAME))
+                self._claim([*self._digests, *(rel for rel, _ in made)])
                 for rel, p in sorted(made, key=lambda m: (m[0] == last, _is_marker(m[1].name), m[0])):
                     dest = self._dest(rel)
                     self._put.append(dest)
                     dest.fs.put_file(str(p), dest.path)
+            claim = self._dest(CLAIM_NAME)
+            claim.fs.rm_file(claim.path)  # the manifest, put before the markers, lists every file now
         self._committed = True
 
     def abort(self) -> None:

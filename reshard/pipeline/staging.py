@@ -25,6 +25,7 @@ from types import TracebackType
 
 from reshard.core.errors import OutputExistsError, ReshardError, UsageError, option
 from reshard.pipeline.manifest import FileDigest, write_manifest
+from reshard.pipeline.replace import refuse_overlap, refuse_unreplaceable
 
 __all__ = ["StagedOutput", "refuse_taken"]
 
@@ -59,15 +60,20 @@ def _pid_in(fd: int) -> int:
     return int(text) if text.isdigit() else 0
 
 
-def refuse_taken(dst: Path, overwrite: bool) -> None:
-    """Refuse an output whose parent folder is missing, or that exists (unless ``overwrite``):
-    asked again when the output is claimed, and first of all before a conversion reads anything,
-    so that a taken name fails at once, not after the work."""
+def refuse_taken(dst: Path, overwrite: bool, sources: tuple[Path, ...] = ()) -> None:
+    """Refuse an output whose parent folder is missing, that is, holds or sits inside a source,
+    or that exists, unless ``overwrite`` and it is what ``--overwrite`` may replace
+    (``reshard.pipeline.replace``): asked again when the output is claimed and before the old
+    one is replaced, and first of all before a conversion reads anything, so that a taken name
+    fails at once, not after the work."""
     parent = dst.parent
     if not parent.is_dir():
         raise UsageError(f"{dst}: parent folder {parent} does not exist")
-    if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise OutputExistsError(f"{dst} already exists; pass {option('--overwrite', 'overwrite=True')} to replace it")
+    refuse_overlap(dst, sources)
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise OutputExistsError(f"{dst} already exists; pass {option('--overwrite', 'overwrite=True')} to replace it")
+        refuse_unreplaceable(dst)
 
 
 class StagedOutput:
@@ -81,9 +87,8 @@ class StagedOutput:
         self.manifest = manifest  # directory outputs get .reshard-manifest.json (reshard.pipeline.manifest)
         self.is_dir = is_dir
         self.overwrite = overwrite
-        for src in sources:
-            if self.dst.resolve() == src.resolve() or src.resolve() in self.dst.resolve().parents:
-                raise UsageError(f"{self.dst}: the output would overwrite or sit inside the source {src}")
+        self.sources = tuple(sources)
+        refuse_overlap(self.dst, self.sources)
         tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.lock = self.dst.with_name(f".{self.dst.name}.reshard-lock")
         self.staging = self.dst.with_name(f".{self.dst.name}.reshard-tmp-{tag}")
@@ -97,7 +102,7 @@ class StagedOutput:
     def open(self) -> None:
         """Claim ``dst``: refuse an existing output (unless ``overwrite``), take the lock,
         sweep what dead conversions left, make the staging folder (for a folder output)."""
-        refuse_taken(self.dst, self.overwrite)
+        refuse_taken(self.dst, self.overwrite, self.sources)
         try:
             self._take_lock()
         except ReshardError:
@@ -110,6 +115,7 @@ class StagedOutput:
             if (self.dst.exists() or self.dst.is_symlink()) and not self.overwrite:
                 raise OutputExistsError(f"{self.dst} already exists (another conversion just wrote it); "
                                         f"pass {option('--overwrite', 'overwrite=True')} to replace it")
+            refuse_taken(self.dst, self.overwrite, self.sources)
             if self.is_dir:
                 self.staging.mkdir()
         except BaseException:
@@ -179,6 +185,8 @@ class StagedOutput:
         if exists and not self.overwrite:
             raise OutputExistsError(f"{self.dst} appeared while converting; pass {option('--overwrite', 'overwrite=True')} to "
                                     f"replace it")
+        if exists:  # what the folder holds now, not what it held when the conversion began
+            refuse_unreplaceable(self.dst)
         if exists and not self.is_dir and not self.dst.is_dir():
             os.replace(self.staging, self.dst)  # one atomic step for a file over a file
         elif exists:

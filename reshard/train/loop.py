@@ -44,7 +44,7 @@ class TrainConfig:
     checkpoint's step); the LR schedule spans ``schedule_steps`` (default ``steps``) and is
     restored from the checkpoint on resume."""
 
-    mesh: str = "1"
+    to_mesh: str = "1"  # the mesh to train on: --to-mesh, the flag that names a mesh in every command
     model: str = "tiny"  # a ModelConfig preset; a resumed run takes the checkpoint's config
     tie_embeddings: bool = False  # with a preset: share the embedding with the output projection
     steps: int = 10
@@ -112,12 +112,12 @@ def train_device() -> torch.device:
 def check_config(cfg: TrainConfig, world: int | None = None) -> MeshSpec:
     """Refuse a run that cannot start, before any rank is spawned: the mesh's shape and size,
     and a global batch that splits over its ranks."""
-    mesh = parse_mesh(cfg.mesh)
+    mesh = parse_mesh(cfg.to_mesh)
     if world is not None and mesh.world_size != world:
-        raise UsageError(f"mesh {cfg.mesh!r} has {mesh.world_size} ranks but the job has {world}; "
+        raise UsageError(f"mesh {cfg.to_mesh!r} has {mesh.world_size} ranks but the job has {world}; "
                          f"launch {mesh.world_size} ranks (--nproc {mesh.world_size}) or change --to-mesh")
     if mesh.ndim > 2 or (mesh.ndim == 2 and mesh.names != ("dp_replicate", "dp_shard")):
-        raise UsageError(f"mesh {cfg.mesh!r}: the training loop shards data-parallel only: give N (FSDP) "
+        raise UsageError(f"mesh {cfg.to_mesh!r}: the training loop shards data-parallel only: give N (FSDP) "
                          "or RxS / dp_replicate=R,dp_shard=S (HSDP)")
     if cfg.global_batch % mesh.world_size:
         raise UsageError(f"--global-batch {cfg.global_batch} does not split over {mesh.world_size} ranks; "

@@ -83,7 +83,7 @@ def test_save_state_folder_is_one_checkpoint(reference: dict, tmp_path: Path) ->
     assert run_cli("verify", CKPT, out).returncode == 0
 
     # --to-mesh 3: the moments are cut like their parameters; per-rank RNG state is named, not carried.
-    result = reshard.convert(CKPT, tmp_path / "mesh3", mesh="3", quiet=True)
+    result = reshard.convert(CKPT, tmp_path / "mesh3", to_mesh="3", quiet=True)
     assert any("random_states_0" in n for n in result.notices)
     laid = reshard.inspect(tmp_path / "mesh3")
     for name, entry in laid.tensors.items():

@@ -28,7 +28,7 @@ def test_torch_reads_our_metadata_as_its_own(fsdp2_dcp, tmp_path: Path) -> None:
         TensorStorageMetadata,
     )
 
-    reshard.convert(fsdp2_dcp[0], tmp_path / "out", mesh="2x2", quiet=True)
+    reshard.convert(fsdp2_dcp[0], tmp_path / "out", to_mesh="2x2", quiet=True)
     ours = FileSystemReader(str(tmp_path / "out")).read_metadata()
     assert isinstance(ours, Metadata) and ours.version == "1.0.0" and isinstance(ours.storage_meta, StorageMeta)
     # Rebuild the same metadata from torch's real classes and compare field by field.

@@ -192,7 +192,7 @@ def test_every_release_loads_reshards_dcp_output() -> None:
 def test_reshard_still_writes_reshard_mesh3(tmp_path: Path) -> None:
     script = _script()
     out = tmp_path / "mesh3"
-    reshard.convert(COMPAT / "torch-2.13.0" / "dcp_default", out, mesh="3")
+    reshard.convert(COMPAT / "torch-2.13.0" / "dcp_default", out, to_mesh="3")
     assert script.folder_digest(out) == script.folder_digest(COMPAT / "reshard-mesh3")
 
 

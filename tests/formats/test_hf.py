@@ -39,7 +39,7 @@ def test_hf_dcp_mesh_hf_round_trip_gives_identical_logits(tiny_llama: tuple[Path
     imported = reshard.inspect(tmp_path / "dcp")
     assert set(imported.tensors) == set(_weight_map(src))  # HF names kept as they are
     assert json.loads(imported.objects["hf.config_json"]) == json.loads((src / "config.json").read_text())
-    reshard.convert(tmp_path / "dcp", tmp_path / "mesh", mesh="2", quiet=True)
+    reshard.convert(tmp_path / "dcp", tmp_path / "mesh", to_mesh="2", quiet=True)
     assert reshard.inspect(tmp_path / "mesh").facts.source_world_size == 2
     result = reshard.convert(tmp_path / "mesh", tmp_path / "out", to="hf", max_shard_size="20KB", quiet=True)
     out = result.dst

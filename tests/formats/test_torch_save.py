@@ -442,7 +442,7 @@ def test_state_that_differs_per_rank_is_kept_per_rank(saved, tmp_path: Path) -> 
     full = torch.load(tmp_path / "full.pt", weights_only=True)  # an outside reader
     assert [full["seed"][f"rank{r}"].tolist() for r in range(4)] == [[float(r)] * 3 for r in range(4)]
     assert full["loader"]["pos"] == {f"rank{r}": r for r in range(4)} and full["step"] == 1
-    relaid = reshard.convert(root / "fsdp", tmp_path / "three", mesh="3", quiet=True)
+    relaid = reshard.convert(root / "fsdp", tmp_path / "three", to_mesh="3", quiet=True)
     assert any("dropped per-rank state" in n and "seed.rank3" in n for n in relaid.notices)
 
 

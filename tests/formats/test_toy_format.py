@@ -108,7 +108,7 @@ def test_a_format_that_holds_mesh_layouts_is_written_for_a_mesh_and_to_urls(toy_
     assert sorted(p.name for p in local.glob("data-*.bin")) == ["data-0.bin", "data-1.bin", "data-2.bin"]
     url = "memory://toys/mesh.toy"
     try:
-        result = reshard.convert(fsdp2_dcp[0], url, to="toy", mesh="3", only="model", quiet=True)
+        result = reshard.convert(fsdp2_dcp[0], url, to="toy", to_mesh="3", only="model", quiet=True)
         assert result.format == "toy" and result.dst == url
         for src in (local, url):
             catalog = reshard.inspect(src)

@@ -76,7 +76,7 @@ def test_fsdp2_dcp_to_zarr_read_by_tensorstore_alone(fsdp2_dcp, fsdp2_reference,
 
 def test_to_mesh_4_chunks_are_dim0_shards(fsdp2_dcp, fsdp2_reference, tmp_path: Path) -> None:
     store = tmp_path / "m4.zarr"
-    reshard.convert(fsdp2_dcp[0], store, mesh="4", quiet=True)
+    reshard.convert(fsdp2_dcp[0], store, to_mesh="4", quiet=True)
     sharded = 0
     for name, ref in fsdp2_reference.items():
         meta = json.loads((store / name / "zarr.json").read_text())
@@ -101,7 +101,7 @@ def test_zarr_to_dcp_and_safetensors_exact(fsdp2_dcp, fsdp2_reference, tmp_path:
     from safetensors.torch import load_file
 
     chunked = tmp_path / "m3.zarr"
-    reshard.convert(fsdp2_dcp[0], chunked, mesh="3", compress=True, quiet=True)
+    reshard.convert(fsdp2_dcp[0], chunked, to_mesh="3", compress=True, quiet=True)
     codecs = json.loads((chunked / "model.embed.weight" / "zarr.json").read_text())["codecs"]
     assert [c["name"] for c in codecs] == ["bytes", "zstd"]
     for name in ("model.embed.weight", "optim.state.head.weight.exp_avg"):  # zstd, as tensorstore reads it
@@ -193,7 +193,7 @@ def test_objects_json_cannot_hold_travel_safely(tmp_path: Path) -> None:
 
 
 def _parallel(rank: int, world_size: int, src: str, out: str) -> None:
-    reshard.convert(src, f"{out}/par.zarr", mesh="3", quiet=True)
+    reshard.convert(src, f"{out}/par.zarr", to_mesh="3", quiet=True)
     reshard.convert(src, f"{out}/parz.zarr", compress=True, quiet=True)
 
 
@@ -201,7 +201,7 @@ def test_ranks_write_disjoint_chunks_rank0_finishes(fsdp2_dcp, tmp_path: Path, m
     """Two gloo ranks split the chunk files; rank 0 pads and compresses chunks the other rank
     wrote and writes the metadata: the store is byte-identical to a one-process conversion."""
     src = str(fsdp2_dcp[0])
-    reshard.convert(src, tmp_path / "one.zarr", mesh="3", quiet=True)
+    reshard.convert(src, tmp_path / "one.zarr", to_mesh="3", quiet=True)
     reshard.convert(src, tmp_path / "onez.zarr", compress=True, quiet=True)
     run_world(_parallel, 2, src, str(tmp_path))
     for a, b in (("one.zarr", "par.zarr"), ("onez.zarr", "parz.zarr")):

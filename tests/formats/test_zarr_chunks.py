@@ -126,7 +126,7 @@ def test_compressed_chunks_fit_the_memory_budget(tmp_path: Path) -> None:
     torch.save({"w": w, "b": torch.arange(7)}, tmp_path / "src.pt")
     for mesh in (None, "2"):
         store = tmp_path / f"z{mesh}.zarr"
-        result = reshard.convert(tmp_path / "src.pt", store, compress=True, mesh=mesh, max_memory="1MiB", quiet=True)
+        result = reshard.convert(tmp_path / "src.pt", store, compress=True, to_mesh=mesh, max_memory="1MiB", quiet=True)
         meta = json.loads((store / "w" / "zarr.json").read_text())
         chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
         assert np.prod(chunk) * 4 <= 128 * 1024 and (mesh is None or 300 % chunk[0] == 0), chunk  # shards: whole chunks

@@ -13,6 +13,7 @@ import torch
 import reshard
 from reshard.core.errors import OutputExistsError, UsageError
 from reshard.pipeline import sinks
+from reshard.pipeline.replace import CLAIM_NAME, claim_bytes
 
 zarr = pytest.importorskip("zarr")
 fsspec = pytest.importorskip("fsspec")
@@ -49,7 +50,7 @@ def test_memory_url_write_then_read(src, tmp_path: Path) -> None:
     with pytest.raises(OutputExistsError, match="overwrite=True"):
         reshard.convert(path, url, quiet=True)
     with pytest.raises(UsageError, match="not per-rank torch files"):  # no marker could say they are all there
-        reshard.convert(path, "memory://reshard-test/b", to="torch", mesh="2", quiet=True)
+        reshard.convert(path, "memory://reshard-test/b", to="torch", to_mesh="2", quiet=True)
     with pytest.raises(UsageError, match="explicit DST"):
         reshard.convert(url, quiet=True)
 
@@ -77,12 +78,17 @@ def test_unfinished_remote_write_is_no_store(src, monkeypatch) -> None:
         reshard.formats.zarr.format.ZarrFormat().read(url)
     monkeypatch.setattr(sinks._Upload, "write_at", real)
     # killed outright (no cleanup): a chunk without the root zarr.json is no store, and the next
-    # write refuses it until overwrite
+    # write refuses it until overwrite, which clears what the killed write's claim names
     fs.pipe_file("/reshard-test/broken.zarr/model.w/c/0/0", b"x" * 8)
+    fs.pipe_file(f"/reshard-test/broken.zarr/{CLAIM_NAME}", claim_bytes(["model.w/c/0/0"]))
     with pytest.raises(reshard.ReshardError, match="no zarr.json at the root"):
         reshard.formats.zarr.format.ZarrFormat().read(url)
     with pytest.raises(OutputExistsError, match="unfinished write"):
         reshard.convert(path, url, quiet=True)
+    fs.pipe_file("/reshard-test/broken.zarr/model.w/c/0/1", b"x" * 8)  # not in the claim: not reshard's
+    with pytest.raises(OutputExistsError, match=r"did not write \(model.w/c/0/1\)"):
+        reshard.convert(path, url, overwrite=True, quiet=True)
+    fs.rm_file("/reshard-test/broken.zarr/model.w/c/0/1")
     reshard.convert(path, url, overwrite=True, quiet=True)
     assert fs.exists("/reshard-test/broken.zarr/zarr.json")
 
@@ -90,7 +96,7 @@ def test_unfinished_remote_write_is_no_store(src, monkeypatch) -> None:
 def test_file_urls_are_local_folders(src, tmp_path: Path) -> None:
     path, tensors = src
     store = tmp_path / "f.zarr"
-    reshard.convert(f"file://{path}", f"file://{store}", mesh="2", quiet=True)
+    reshard.convert(f"file://{path}", f"file://{store}", to_mesh="2", quiet=True)
     assert (store / "zarr.json").is_file() and not list(tmp_path.glob(".f.zarr.reshard-*"))  # staged, renamed
     assert json.loads((store / "model.w" / "zarr.json").read_text())["chunk_grid"]["configuration"]["chunk_shape"] == [5, 4]
     reshard.convert(f"file://{store}", "memory://reshard-test/f.zarr", overwrite=True, quiet=True)

@@ -23,7 +23,7 @@ PROGRESS = re.compile(r"^step +(\d+)/(\d+)  loss (\d+\.\d+)  lr \S+  grad_norm \
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainResult, Path]:
     ckpt_dir = tmp_path_factory.mktemp("loop") / "ckpt"
-    result = launch(TrainConfig(mesh="2", steps=4, ckpt_dir=str(ckpt_dir), save_every=2, digest_at=(0,), log=False),
+    result = launch(TrainConfig(to_mesh="2", steps=4, ckpt_dir=str(ckpt_dir), save_every=2, digest_at=(0,), log=False),
                     device="cpu", timeout=HANG_GUARD)
     return result, ckpt_dir
 
@@ -62,7 +62,7 @@ def test_cli_resumes_on_another_rank_count_and_continues(first_run: tuple[TrainR
 
 def test_mixed_precision_run_starts_from_the_same_weights(first_run: tuple[TrainResult, Path]) -> None:
     reference, _ = first_run
-    result = launch(TrainConfig(mesh="1", steps=2, mixed_precision=True, digest_at=(0,), log=False),
+    result = launch(TrainConfig(to_mesh="1", steps=2, mixed_precision=True, digest_at=(0,), log=False),
                     device="cpu", timeout=HANG_GUARD)
     assert result.digests[0] == reference.digests[0]  # fp32 sharded parameters, identical on 1 and 2 ranks
     for step in (1, 2):  # bf16 compute: close to the fp32 run, not equal
