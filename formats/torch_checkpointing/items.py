@@ -6,6 +6,9 @@ DTensor's sharding rules put it; the part in the rank's file must have exactly t
 dtype (and, for a DTensor in a torch file, the same global shape, mesh, coordinate and
 placements), distinct parts become chunks (replicas once, empty shards not at all), and they
 must tile the tensor exactly. Every tensor in a file must be one the metadata gives that rank.
+A plain tensor, which torch_checkpointing records as replicated on every rank, is read from the
+first rank's file, as its own loader reads any one copy: the record says the copies are equal,
+and comparing them would read tensor data.
 
 An item saved without one (``plain_item``) has no record: only what its files prove is read. A
 DTensor carries its own mesh, coordinate and placements (``reshard.formats.torch.ranks``); a
