@@ -79,6 +79,10 @@ FORMATS: list[FormatEntry] = [
                 remote=True, mesh_writer="zarr", folder_suffix=".zarr"),
     # before torch-ranks: DeepSpeed's per-rank *_optim_states.pt are no DTensor rank files.
     FormatEntry("deepspeed", "reshard.formats.deepspeed.format:DeepSpeedFormat", "a DeepSpeed global_stepN folder"),
+    # before safetensors (its model_{rank}.safetensors are one item's ranks, not a sharded folder)
+    # and torch-ranks (it leaves that format's rank<r>.pt and checkpoint_<r>.pt sets alone).
+    FormatEntry("torch-checkpointing", "reshard.formats.torch_checkpointing.format:TorchCheckpointingFormat",
+                "a torch_checkpointing folder with metadata.pkl (or its <item>_<rank>.pt files)"),
     FormatEntry("safetensors", "reshard.formats.safetensors.format:SafetensorsFormat",
                 "*.safetensors or a folder of them", writes=True, suffixes=(".safetensors",),
                 default_suffix=".safetensors", options=(_MAX_SHARD_SIZE,), remote=True, file_output=True),

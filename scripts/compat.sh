@@ -3,6 +3,7 @@
 #
 #   scripts/compat.sh 2.15.0              # venv with torch 2.15.0 + reshard[test]; the suite; a row in docs/compat.md
 #   scripts/compat.sh 2.15.0 --fixtures   # venv with torch 2.15.0 alone; tests/data/compat/torch-2.15.0/
+#   scripts/compat.sh 2.15.0 --torch-checkpointing   # + torch-checkpointing 0.1.1; tests/data/torch_checkpointing/torch-2.15.0/
 #   scripts/compat.sh 2.15.0 -- -x tests/formats   # arguments after -- go to pytest (no row is written then)
 #
 # Each release gets a venv of its own under $RESHARD_COMPAT_VENVS (default ~/.cache/reshard-compat),
@@ -17,6 +18,8 @@ mode=suite
 pytest_args=()
 if [[ "${1:-}" == "--fixtures" ]]; then
     mode=fixtures
+elif [[ "${1:-}" == "--torch-checkpointing" ]]; then
+    mode=torch-checkpointing
 elif [[ "${1:-}" == "--" ]]; then
     shift
     pytest_args=("$@")
@@ -38,6 +41,11 @@ if [[ "$mode" == fixtures ]]; then
     # only what the fixture script imports: every byte it writes is that torch release's own
     pip_in safetensors numpy zstandard
     exec "$venv/bin/python" scripts/make_compat_fixtures.py
+fi
+if [[ "$mode" == torch-checkpointing ]]; then
+    # torch-checkpointing asks for torch >= 2.11: pinned here, so it never replaces the release under test
+    pip_in "torch==$version" safetensors numpy "torch-checkpointing==0.1.1"
+    exec "$venv/bin/python" scripts/fixtures/make_torch_checkpointing.py
 fi
 
 pip_in -e ".[test]"

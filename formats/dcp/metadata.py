@@ -29,7 +29,7 @@ import numpy as np
 from reshard.core import dtypes
 from reshard.core.boxes import Box
 from reshard.core.dtypes import DType
-from reshard.core.errors import CorruptCheckpointError, ReshardError, UnsafeCheckpointError, UnsupportedFormatError
+from reshard.core.errors import CorruptCheckpointError, NewerFormatError, ReshardError, UnsafeCheckpointError
 from reshard.core.gc_pause import paused_gc
 from reshard.core.torch_support import FLOOR, NEWEST_TESTED
 from reshard.safe_pickle.unpickler import safe_loads
@@ -39,11 +39,6 @@ __all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "NewerFormatError", "read_
 _MAX_METADATA_BYTES = 1 << 30
 # Metadata.version, the DCP format's own version (filesystem.CURRENT_DCP_VERSION); None before 2.4.
 DCP_VERSIONS = frozenset({None, "1.0.0"})
-
-
-class NewerFormatError(UnsupportedFormatError):
-    """``.metadata`` holds a field, state or version reshard does not know: most likely
-    written by a torch newer than this reshard was tested with."""
 
 
 class _NewField(ReshardError):

@@ -44,7 +44,8 @@ from reshard.core.regions import StoredRegion
 from reshard.core.sharding import Placement, shard_box
 from reshard.core.values import same_value, tensor_digest
 
-__all__ = ["rank_files", "read_set", "read_trees", "complete_set", "first_refused", "one_set"]
+__all__ = ["rank_files", "read_set", "read_trees", "complete_set", "first_refused", "one_set", "dtensor_placements",
+           "sharded_entry", "plain_copies_differ", "objects_differ", "per_rank_name"]
 
 _RANK = re.compile(r"(?<![a-z])rank[_-]?(\d+)(?!\d)", re.IGNORECASE)
 # torch.distributed.checkpoint._experimental's checkpointer: one torch.save per rank, named by the
@@ -70,7 +71,7 @@ def rank_files(folder: Path) -> dict[str, dict[int, Path]]:
     return groups
 
 
-def _placements(ref: DTensorRef, where: str) -> tuple[Placement, ...]:
+def dtensor_placements(ref: DTensorRef, where: str) -> tuple[Placement, ...]:
     out: list[Placement] = []
     for p in ref.placements:
         kind = p.kind if isinstance(p, Record) else type(p).__name__
@@ -126,9 +127,9 @@ def _coordinate(ref: DTensorRef, rank: int, where: str) -> tuple[int, ...]:
     return tuple(coord)
 
 
-def _sharded_entry(name: str, shards: list[tuple[int, Path, DTensorRef]], world_size: int, folder: Path) -> TensorEntry:
+def sharded_entry(name: str, shards: list[tuple[int, Path, DTensorRef]], world_size: int, folder: Path) -> TensorEntry:
     _, file0, ref0 = shards[0]
-    placements = _placements(ref0, f"{file0}: {name!r}")
+    placements = dtensor_placements(ref0, f"{file0}: {name!r}")
     if math.prod(ref0.mesh_shape) != world_size:
         raise CorruptCheckpointError(
             f"{file0}: {name!r} lives on a mesh of {math.prod(ref0.mesh_shape)} ranks {ref0.mesh_shape}, "
@@ -138,7 +139,7 @@ def _sharded_entry(name: str, shards: list[tuple[int, Path, DTensorRef]], world_
     for rank, file, ref in shards:
         where = f"{file}: {name!r}"
         same = (ref.global_shape, ref.mesh_shape, ref.local.dtype) == (ref0.global_shape, ref0.mesh_shape, ref0.local.dtype)
-        if not same or _placements(ref, where) != placements:
+        if not same or dtensor_placements(ref, where) != placements:
             raise CorruptCheckpointError(
                 f"{where} is {ref.local.dtype} {list(ref.global_shape)} on mesh {ref.mesh_shape}, but in {file0} it is "
                 f"{ref0.local.dtype} {list(ref0.global_shape)} on mesh {ref0.mesh_shape} (placements must match too)"
@@ -157,7 +158,7 @@ def _sharded_entry(name: str, shards: list[tuple[int, Path, DTensorRef]], world_
     return TensorEntry(name, ref0.global_shape, ref0.local.dtype, list(chunks.values()))
 
 
-def _plain_copies_differ(copies: list[tuple[int, Path, StoredRegion]]) -> bool:
+def plain_copies_differ(copies: list[tuple[int, Path, StoredRegion]]) -> bool:
     """Whether the ranks' copies of a plain tensor differ: shape, dtype or content (a SHA-256
     per rank, streamed in slabs, so no copy is held whole)."""
     first = copies[0][2]
@@ -167,12 +168,12 @@ def _plain_copies_differ(copies: list[tuple[int, Path, StoredRegion]]) -> bool:
     return len(digests) > 1
 
 
-def _objects_differ(copies: list[tuple[int, Path, Any]]) -> bool:
+def objects_differ(copies: list[tuple[int, Path, Any]]) -> bool:
     values = [leaf_loader(v, str(f), "")() if isinstance(v, OnDisk) else v for _, f, v in copies]
     return any(not same_value(values[0], v) for v in values[1:])
 
 
-def _per_rank(name: str, nested: tuple, rank: int) -> tuple[str, tuple]:
+def per_rank_name(name: str, nested: tuple, rank: int) -> tuple[str, tuple]:
     """Where rank ``rank``'s own copy of ``name`` goes: one level below it, ``rank{r}``."""
     return f"{name}.rank{rank}", nested + (f"rank{rank}",)
 
@@ -252,7 +253,7 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
             raise CorruptCheckpointError(f"{path}: {name!r} is a {a} in {fa.name} but a {b} in {fb.name}")
         if isinstance(leaf, DTensorRef):
             shards = [(r, f, v) for r, f, (_, v) in held]
-            catalog.tensors[name] = _sharded_entry(name, shards, len(files), path)
+            catalog.tensors[name] = sharded_entry(name, shards, len(files), path)
             catalog.paths[name] = nested
             if catalog.facts.source_mesh is None:
                 catalog.facts.source_mesh = leaf.mesh_shape
@@ -264,10 +265,10 @@ def read_set(path: Path, files: dict[int, Path], trees: dict[int, FlatTree], *, 
         # step counters, configs); otherwise per-rank state (RNG states, per-rank counters)
         # that no single copy stands for, so each rank's copy is kept under its own name.
         tensor = isinstance(leaf, StoredRegion)
-        if len(held) == len(files) and not (_plain_copies_differ(copies) if tensor else _objects_differ(copies)):
+        if len(held) == len(files) and not (plain_copies_differ(copies) if tensor else objects_differ(copies)):
             values = [(name, nested, files[held[0][0]], leaf)]
         else:
-            values = [(*_per_rank(name, nested, r), f, v) for r, f, v in copies]
+            values = [(*per_rank_name(name, nested, r), f, v) for r, f, v in copies]
             per_rank.append(name)
         for flat, where, file, value in values:
             if flat != name and flat in names:

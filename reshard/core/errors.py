@@ -18,6 +18,7 @@ __all__ = [
     "CorruptCheckpointError",
     "UnsafeCheckpointError",
     "UnsupportedFormatError",
+    "NewerFormatError",
     "UsageError",
     "OutputExistsError",
     "SourceChangedError",
@@ -42,6 +43,12 @@ class UnsafeCheckpointError(CorruptCheckpointError):
 
 class UnsupportedFormatError(ReshardError, ValueError):
     """The source is well formed but uses a feature or format reshard does not handle."""
+
+
+class NewerFormatError(UnsupportedFormatError):
+    """The source holds a field, type, state or version reshard does not know: most likely written
+    by a newer release of its tool than this reshard was tested with. Refused, never guessed: a
+    field skipped could change what the bytes mean; the message says what to upgrade."""
 
 
 class UsageError(ReshardError, ValueError):
