@@ -84,6 +84,9 @@ FORMATS: list[FormatEntry] = [
                 default_suffix=".safetensors", options=(_MAX_SHARD_SIZE,), remote=True, file_output=True),
     FormatEntry("hf-bin", "reshard.formats.hf.bin:HFBinFormat",
                 "an HF folder with pytorch_model.bin or a *.bin.index.json"),
+    FormatEntry("torch-checkpointing", "reshard.formats.torch_checkpointing.format:TorchCheckpointingFormat",
+                "a torch_checkpointing folder with metadata.pkl", writes=True, mesh_writer="torch-checkpointing",
+                options=("reshard.formats.torch_checkpointing.write_options:DEVICE_TYPE",)),
     FormatEntry("torch-ranks", "reshard.formats.torch.rank_folder:TorchRanksFormat", "a folder of per-rank torch files",
                 mesh_writer="torch-ranks", label="torch"),
     # .ckpt: Lightning's torch.save files
