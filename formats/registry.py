@@ -82,7 +82,8 @@ FORMATS: list[FormatEntry] = [
     # before safetensors (its model_{rank}.safetensors are one item's ranks, not a sharded folder)
     # and torch-ranks (it leaves that format's rank<r>.pt and checkpoint_<r>.pt sets alone).
     FormatEntry("torch-checkpointing", "reshard.formats.torch_checkpointing.format:TorchCheckpointingFormat",
-                "a torch_checkpointing folder with metadata.pkl (or its <item>_<rank>.pt files)"),
+                "a torch_checkpointing folder with metadata.pkl (or its <item>_<rank>.pt files)", writes=True,
+                mesh_writer="torch-checkpointing", options=("reshard.formats.torch_checkpointing.write_options:DEVICE_TYPE",)),
     FormatEntry("safetensors", "reshard.formats.safetensors.format:SafetensorsFormat",
                 "*.safetensors or a folder of them", writes=True, suffixes=(".safetensors",),
                 default_suffix=".safetensors", options=(_MAX_SHARD_SIZE,), remote=True, file_output=True),

@@ -255,8 +255,9 @@ def test_convert_takes_the_keyword_its_flag_names(fsdp2_dcp, tmp_path) -> None:
     """``--to-mesh`` is ``to_mesh=``; ``mesh=`` still works, warning which release removes it."""
     import warnings
 
-    import reshard
     from reshard.formats.options import ConvertOptions
+
+    import reshard
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -265,7 +266,7 @@ def test_convert_takes_the_keyword_its_flag_names(fsdp2_dcp, tmp_path) -> None:
     assert four.ranks is None or len(four.ranks) == 4
     with pytest.warns(DeprecationWarning, match=r"reshard\.convert\(mesh=...\) is now reshard\.convert\(to_mesh=...\); "
                                                 r"mesh= is removed in reshard 0\.4"):
-        old = reshard.convert(fsdp2_dcp[0], tmp_path / "old", mesh="4", quiet=True)
+        reshard.convert(fsdp2_dcp[0], tmp_path / "old", mesh="4", quiet=True)
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == sorted(p.name for p in (tmp_path / "out").iterdir())
     with pytest.warns(DeprecationWarning):
         assert ConvertOptions(mesh="2").to_mesh == "2"

@@ -6,6 +6,14 @@ CRC fields of streamed payloads are left 0, as torch's own
 ``serialization.config.save.compute_crc32 = False`` writes them; torch's reader does not check
 them, and computing them would force every byte through user space.
 
+Records are laid out as torch's writer (miniz) lays them out, because ``torch.load`` onto the
+meta device does not read where a storage starts: it computes it, from the first storage's
+place, assuming every storage follows the one the pickle first used before it, each payload
+followed by a data descriptor (none after an empty one). Storages are therefore named and
+stored in the order the pickle first uses them (``"0"`` first), each payload with its
+descriptor, and zip64 fields where torch puts them; readers that do offset reads from those
+computed places (torch_checkpointing's resharder) read the right bytes.
+
 Stand-ins for classes the user allowed (``reshard.safe_pickle.inert``) are written back under their
 original global names, so the output loads wherever the input loaded. The C pickler can name
 a class only by importing its module, so a tree holding stand-ins is pickled by the
@@ -94,11 +102,20 @@ class _TorchPickler(pickle.Pickler):
 class _StandinPickler(pickle._Pickler):
     """The pure-Python pickler, for trees that hold stand-ins: a stand-in class is written as
     the global the input named (Python 2 spellings restored, as pickle's protocol 2 does).
+    Storages are named as torch.save names them, in the order the pickle first uses them
+    (``storage_names``: each PieceRef key's name in the archive).
 
     typeshed's ``_Pickler`` leaves out the methods overridden and called here (``save``,
     ``save_global``, ``write``, ``memoize``): hence the ignores."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.storage_names: dict[str, str] = {}
+
     def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageKey):
+            name = self.storage_names.setdefault(obj.key, str(len(self.storage_names)))
+            return _persistent_id(_StorageKey(name, obj.nbytes))
         return _persistent_id(obj)
 
     def save(self, obj: Any, save_persistent_id: bool = True) -> None:
@@ -133,13 +150,20 @@ class _StorageKey:
 
 def torch_pickle(obj: Any) -> bytes:
     """Pickle ``obj`` (containers, plain values, stand-ins, PieceRef) as torch.save's data.pkl would."""
+    return _torch_pickle(obj)[0]
+
+
+def _torch_pickle(obj: Any) -> tuple[bytes, dict[str, str]]:
+    """data.pkl, and the name each PieceRef key's storage has in it."""
     buf = io.BytesIO()
     try:
         _TorchPickler(buf, protocol=2).dump(obj)
+        return buf.getvalue(), {}
     except _HasStandins:
         buf = io.BytesIO()
-        _StandinPickler(buf, protocol=2).dump(obj)
-    return buf.getvalue()
+        pickler = _StandinPickler(buf, protocol=2)
+        pickler.dump(obj)
+        return buf.getvalue(), pickler.storage_names
 
 
 def embed_tensors(value: Any, records: dict[str, Segment]) -> Any:
@@ -173,9 +197,10 @@ _DOS_DATE = (0, 33)  # 1980-01-01 00:00, as zip wants a date; torch writes the s
 
 
 def zip_segments(records: list[tuple[str, Segment]], archive: str = "archive") -> list[Segment]:
-    """Lay out a stored (uncompressed) zip of ``records`` as segments, each payload starting
-    on a 64-byte boundary from the archive start (what torch.load(mmap=True) expects).
-    Zip64 fields are used where sizes or offsets pass 4 GiB."""
+    """Lay out a stored (uncompressed) zip of ``records`` as segments, as torch's writer lays
+    them out: each payload starting on a 64-byte boundary from the archive start (what
+    torch.load(mmap=True) expects) and followed by a data descriptor unless empty, zip64
+    fields where sizes or offsets pass 4 GiB."""
     out: list[Segment] = []
     central: list[bytes] = []
     at = 0
@@ -183,22 +208,30 @@ def zip_segments(records: list[tuple[str, Segment]], archive: str = "archive") -
         fname = f"{archive}/{name}".encode()
         size = segment_size(payload)
         crc = zlib.crc32(payload) if isinstance(payload, bytes) else 0
-        big = size >= 0xFFFFFFFF
-        zip64 = struct.pack("<HHQQ", 1, 16, size, size) if big else b""
+        big, far = size >= 0xFFFFFFFF, at >= 0xFFFFFFFF
+        local64 = [size, size] if big else []
+        local64 += [at] if far else []
+        zip64 = struct.pack(f"<HH{len(local64)}Q", 1, 8 * len(local64), *local64) if local64 else b""
         base = at + 30 + len(fname) + len(zip64)
         pad = (-(base + 4)) % _ALIGN  # 4 = the padding field's own header
         extra = zip64 + struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # "FB" id, as torch's writer
         s32 = 0xFFFFFFFF if big else size
-        out.append(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if big else 20, 0, 0, *_DOS_DATE,
-                               crc, s32, s32, len(fname), len(extra)) + fname + extra)
+        # A descriptor after the payload carries its CRC and sizes (bit 3); an empty record has none.
+        flag, head_crc, head_size = (0x08, 0, 0) if size else (0, crc, 0)
+        out.append(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 45 if big or far else 20, flag, 0, *_DOS_DATE,
+                               head_crc, head_size, head_size, len(fname), len(extra)) + fname + extra)
         out.append(payload)
-        far = at >= 0xFFFFFFFF
+        wide = big or far  # zip64 descriptors: 8-byte sizes
+        descriptor = (struct.pack("<4sIQQ" if wide else "<4sIII", b"PK\x07\x08", crc, size, size) if size else b"")
         cextra_vals = ([size, size] if big else []) + ([at] if far else [])
         cextra = struct.pack(f"<HH{len(cextra_vals)}Q", 1, 8 * len(cextra_vals), *cextra_vals) if cextra_vals else b""
-        central.append(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45 if (big or far) else 20, 0, 0,
+        central.append(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 45, 45 if (big or far) else 20, flag, 0,
                                    *_DOS_DATE, crc, s32, s32, len(fname), len(cextra), 0, 0, 0, 0,
                                    0xFFFFFFFF if far else at) + fname + cextra)
         at += segment_size(out[-2]) + size
+        if descriptor:
+            out.append(descriptor)
+            at += len(descriptor)
     cd = b"".join(central)
     n = len(records)
     tail = b""
@@ -212,13 +245,18 @@ def zip_segments(records: list[tuple[str, Segment]], archive: str = "archive") -
 
 
 def torch_save_segments(tree: Any, pieces: Mapping[str, Segment], archive: str = "archive") -> list[Segment]:
-    """A whole torch.save archive: ``tree`` holds PieceRef(key) where ``pieces[key]`` goes."""
+    """A whole torch.save archive: ``tree`` holds PieceRef(key) where ``pieces[key]`` goes.
+    Storages are stored, and named, in the order the pickle first uses them (module docstring)."""
+    data, names = _torch_pickle(tree)
     records: list[tuple[str, Segment]] = [
-        ("data.pkl", torch_pickle(tree)),
+        ("data.pkl", data),
         (".format_version", b"1"),
         (".storage_alignment", b"64"),
         ("byteorder", b"little"),
     ]
-    records += [(f"data/{key}", piece) for key, piece in pieces.items()]
+    for key in pieces:  # a record the tree never names still goes in, after the used ones
+        names.setdefault(key, str(len(names)))
+    records += [(f"data/{name}", pieces[key]) for key, name in sorted(names.items(), key=lambda kv: int(kv[1]))
+                if key in pieces]
     records += [("version", b"3\n")]
     return zip_segments(records, archive)

@@ -7,7 +7,8 @@ record type. Nothing else in reshard imports an underscored torch name.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch._utils
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["rebuild_tensor_v3", "get_layout", "dtensor_local_box", "dtensor_local_indices", "STRIDED_SHARD",
-           "init_optimizer_state"]
+           "init_optimizer_state", "offline_device_mesh", "dtensor_spec"]
 
 note_newer_torch(torch.__version__)  # the library's first use of torch: once per process, if newer than tested
 
@@ -95,3 +96,26 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
     _init_optim_state(optimizer)
 
+
+
+def offline_device_mesh(device_type: str, mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...] | None,
+                        rank: int) -> DeviceMesh:
+    """The mesh of ranks 0..N-1 in C order (``init_device_mesh``'s layout) as rank ``rank`` holds
+    it, made without process groups: what a DTensor saved by that rank pickles, less the names
+    of its process groups, which mean nothing outside the job that made them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(math.prod(mesh_shape), dtype=torch.int).reshape(mesh_shape)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=mesh_dim_names, _init_backend=False, _rank=rank)
+
+
+def dtensor_spec(mesh: DeviceMesh, placements: tuple[tuple[str, int | None], ...], shape: tuple[int, ...],
+                 dtype: torch.dtype) -> Any:
+    """The ``DTensorSpec`` of a contiguous DTensor of ``shape`` laid over ``mesh`` with
+    ``placements`` (reshard's ``("Shard", dim)`` / ``("Replicate", None)``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    torch_placements = tuple(Shard(dim) if kind == "Shard" and dim is not None else Replicate() for kind, dim in placements)
+    return DTensorSpec(mesh, torch_placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))

@@ -56,6 +56,28 @@ def test_written_archive_loads_with_torch_and_mmap(tmp_path: Path) -> None:
         assert offsets == sorted(offsets)
 
 
+def test_meta_loads_find_every_storage(tmp_path: Path) -> None:
+    """torch.load onto the meta device computes where each storage starts, assuming torch's
+    writer's layout (storages in the order the pickle first uses them, a data descriptor after
+    each non-empty payload): the places it computes must be where the bytes are. Keys given in
+    another order than the tree uses them, and an empty storage, are laid out that way too."""
+    tensors = {"a": torch.randn(3, 5), "e": torch.empty(0), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2)}
+    keys = {"a": "2", "e": "0", "b": "3", "c": "1"}
+    pieces = {keys[n]: Piece(n, full_box(t.shape), t.dtype) for n, t in tensors.items()}
+    tree = {"x": {"c": PieceRef("1", torch.float32, (2,)), "a": PieceRef("2", torch.float32, (3, 5))},
+            "y": [PieceRef("0", torch.float32, (0,)), PieceRef("3", torch.int64, (7,))]}
+    _write(tmp_path / "m.pt", torch_save_segments(tree, pieces), tensors)
+    raw = (tmp_path / "m.pt").read_bytes()
+    meta = torch.load(tmp_path / "m.pt", map_location="meta", weights_only=True)
+    found = {"c": meta["x"]["c"], "a": meta["x"]["a"], "e": meta["y"][0], "b": meta["y"][1]}
+    for name, t in found.items():
+        at, n = t.untyped_storage()._checkpoint_offset, tensors[name].nbytes
+        assert raw[at:at + n] == tensors[name].numpy().tobytes(), name
+    with zipfile.ZipFile(tmp_path / "m.pt") as z:
+        assert z.read("archive/data.pkl")[:2] == b"\x80\x02"  # literal records read back with their CRCs
+        assert [i.filename.rsplit("/", 1)[-1] for i in z.infolist() if "/data/" in i.filename] == ["0", "1", "2", "3"]
+
+
 def test_zip64_record_past_4gib(tmp_path: Path) -> None:
     """A >4 GiB tensor record needs zip64 fields; written sparse, so the test costs no disk."""
     n = (1 << 32) + 64
