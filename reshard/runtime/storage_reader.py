@@ -51,7 +51,7 @@ from torch.futures import Future
 from reshard.core.boxes import Box, c_order_slabs
 from reshard.core.catalog import Catalog
 from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, Place, convention_named, detect_layout
-from reshard.core.errors import CorruptCheckpointError, ReshardError
+from reshard.core.errors import CorruptCheckpointError, ReshardError, UsageError
 from reshard.features.keymap.lookup import load_keymap
 from reshard.formats.registry import detect_format
 from reshard.pipeline.options import SourceOptions, check_budget
@@ -261,7 +261,8 @@ class StorageReader(_TorchStorageReader):
         """The checkpoint's name and the box (global coordinates) ``item`` asks for."""
         name = self._names.stored(item.storage_index.fqn)
         if name is None or name not in self.catalog.tensors:
-            raise KeyError(item.storage_index.fqn)  # the planner asked for a name read_metadata did not give
+            raise UsageError(f"{self.catalog.path}: the load planner asked for tensor {item.storage_index.fqn!r}, "
+                             "which the checkpoint does not hold (its metadata did not offer it)")
         origin = item.storage_index.offset or (0,) * len(item.lengths)  # the chunk the item is in: the whole tensor
         return name, Box(tuple(o + s for o, s in zip(origin, item.storage_offsets)), tuple(item.lengths))
 
@@ -270,8 +271,8 @@ class StorageReader(_TorchStorageReader):
         entry = self.catalog.tensors[name]
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != box.sizes:
-            raise CorruptCheckpointError(f"{self.catalog.path}: {name!r}: the planner resolved a tensor of shape "
-                                         f"{list(target.shape)} for box {box}")
+            raise UsageError(f"{self.catalog.path}: {name!r}: the load planner resolved a tensor of shape "
+                             f"{list(target.shape)} for a box of {list(box.sizes)}")
         for slab in c_order_slabs(box, entry.dtype.itemsize, self.slab_bytes):
             read_box(target[slab.shifted(box.offsets).as_slices()], slab, entry, files)
         self.bytes_read += box.numel * entry.dtype.itemsize
@@ -283,7 +284,8 @@ class StorageReader(_TorchStorageReader):
         names; a value re-saved here holds only what reshard's allow-list unpickler built."""
         name = self._names.stored(item.storage_index.fqn)
         if name is None or name not in self.catalog.objects:
-            raise KeyError(item.storage_index.fqn)
+            raise UsageError(f"{self.catalog.path}: the load planner asked for object {item.storage_index.fqn!r}, "
+                             "which the checkpoint does not hold (its metadata did not offer it)")
         out = io.BytesIO()
         torch.save(self.catalog.objects[name], out)
         out.seek(0)
