@@ -5,6 +5,7 @@
 >>> reshard.convert("ckpt/", "model.safetensors", only="model")
 >>> reshard.verify("ckpt/", "model.safetensors", only="model").equal
 >>> reshard.load_model(model, "ckpt/", optimizer=opt)  # under torchrun, onto any mesh
+>>> dcp.load(state_dict, storage_reader=reshard.StorageReader("ckpt/"))  # torch's dcp.load, any format
 
 Every name below is imported on first use (``import reshard`` does not import torch), so the
 command line answers ``--help`` at once; ``dir(reshard)`` and ``help(reshard)`` list them all.
@@ -26,9 +27,11 @@ if TYPE_CHECKING:
     from reshard.formats.options import ConvertOptions
     from reshard.pipeline.options import LoadOptions, SourceOptions
     from reshard.runtime.load import LoadResult, load_model, load_state_dict
+    from reshard.runtime.storage_reader import StorageReader
     from reshard.safe_pickle.unpickler import allow_classes
 
-__all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "push", "Catalog", "SourceOptions",
+__all__ = ["inspect", "convert", "verify", "load_model", "load_state_dict", "StorageReader", "push", "Catalog",
+           "SourceOptions",
            "ConvertOptions", "LoadOptions", "ConvertResult", "VerifyResult", "PushResult", "LoadResult", "ReshardError",
            "allow_classes", "__version__"]
 __version__ = "0.2.0"
@@ -41,6 +44,7 @@ _LAZY = {
     "verify": "reshard.commands.verify", "VerifyResult": "reshard.commands.verify",
     "push": "reshard.features.hub", "PushResult": "reshard.features.hub",
     "load_model": "reshard.runtime.load", "load_state_dict": "reshard.runtime.load", "LoadResult": "reshard.runtime.load",
+    "StorageReader": "reshard.runtime.storage_reader",
     "Catalog": "reshard.core.catalog",
     "allow_classes": "reshard.safe_pickle.unpickler",
 }

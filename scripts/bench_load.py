@@ -13,6 +13,13 @@ Rows (each its own fresh gloo world of ``--nproc`` ranks, so peaks never mix):
   ``reshard convert``) and calls ``set_model_state_dict`` / ``set_optimizer_state_dict`` with
   ``StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)``; the other ranks pass
   empty dicts.
+* ``dcp.load FileSystemReader`` / ``dcp.load reshard.StorageReader``: torch's ``dcp.load`` of
+  the DCP into ``get_state_dict``'s ``{"model", "optim"}`` (filled in place), through torch's
+  own reader or ``reshard.StorageReader``.
+* ``dcp.load HuggingFaceStorageReader`` / ``dcp.load reshard.StorageReader hf``: the model
+  alone, from the same tensors as a safetensors folder (made beforehand by ``reshard convert
+  --only model``), through torch's HF reader or ``reshard.StorageReader``; these rows' optimizer
+  state stays the fresh one, so only their model checksum is compared.
 
 Method
 ------
@@ -28,9 +35,11 @@ Method
   peak minus the baseline row's peak for the same rank; "shard" is the rank's local bytes of
   parameters and optimizer state. "load peak - RSS before" restarts VmHWM (``clear_refs``)
   just before the load: what the load itself held on top of the model and optimizer.
-* A checksum (sum of every loaded local tensor, reduced over ranks) must agree across rows.
-  The benchmark checkpoint has no ``step`` / param groups, so both paths keep the
-  optimizer's own (reshard rows use ``strict=False`` and report the names they skipped).
+* A checksum (sum of every loaded local tensor, reduced over ranks) must agree across rows,
+  and one of the parameters alone across every row, the model-only rows too.
+  The benchmark checkpoint has no ``step`` / param groups, so every path keeps the
+  optimizer's own (reshard rows use ``strict=False`` and report the names they skipped; the
+  ``dcp.load`` rows leave ``step`` out of the state dict they load).
 
     python scripts/bench_load.py                          # ~1.5 GB checkpoint, 3 ranks
     python scripts/bench_load.py --size-mb 64 --json load.json
@@ -52,7 +61,11 @@ from make_bench_ckpt import default_ckpt_path, ensure_checkpoint, solve_dims, te
 MIB = 2**20
 RSS_ALLOWANCE_MIB = 384  # acceptance: rank 0 (rank0 mode) within max-memory + shard + this over baseline
 BASELINE, RANK0, PARALLEL, TORCH = "baseline", "reshard rank0", "reshard parallel", "torch broadcast_from_rank0"
-ROWS = (BASELINE, RANK0, PARALLEL, TORCH)
+DCP_TORCH, DCP_RESHARD = "dcp.load FileSystemReader", "dcp.load reshard.StorageReader"
+HF_TORCH, HF_RESHARD = "dcp.load HuggingFaceStorageReader", "dcp.load reshard.StorageReader hf"
+DCP_ROWS = (DCP_TORCH, DCP_RESHARD, HF_TORCH, HF_RESHARD)
+MODEL_ONLY = (HF_TORCH, HF_RESHARD)  # read from the model-only safetensors folder
+ROWS = (BASELINE, RANK0, PARALLEL, TORCH, *DCP_ROWS)
 
 
 # ----------------------------------------------------------------------------- in the ranks
@@ -150,8 +163,38 @@ def _load_torch(model: Any, opt: Any, full_pt: str) -> dict[str, Any]:
     return {}
 
 
+def _dcp_state(model: Any, opt: Any, model_only: bool) -> dict[str, Any]:
+    """What the dcp.load rows fill in place: get_state_dict's model and optimizer state (the
+    model's and optimizer's own tensors), without the step the benchmark checkpoint lacks."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    if model_only:
+        return dict(msd)  # the safetensors folder holds the model under its FQNs
+    state = {fqn: {k: v for k, v in s.items() if k != "step"} for fqn, s in osd["state"].items()}
+    return {"model": msd, "optim": {"state": state}}
+
+
+def _load_dcp(row: str, state: dict[str, Any], src: str, hf_dir: str, max_memory: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    import reshard
+
+    reader: Any
+    if row == DCP_TORCH:
+        reader = dcp.FileSystemReader(src)
+    elif row == HF_TORCH:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+        reader = HuggingFaceStorageReader(hf_dir)
+    else:
+        reader = reshard.StorageReader(hf_dir if row in MODEL_ONLY else src, max_memory=max_memory)
+    dcp.load(state, storage_reader=reader)
+    return {"model_only": row in MODEL_ONLY}
+
+
 def run_row(rank: int, world: int, row: str, src: str, full_pt: str, max_memory: str, shapes: dict,
-            outdir: str, tp: int = 1) -> None:
+            outdir: str, tp: int = 1, hf_dir: str = "") -> None:
     import torch
     import torch.distributed as dist
 
@@ -166,6 +209,7 @@ def run_row(rank: int, world: int, row: str, src: str, full_pt: str, max_memory:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         get_state_dict(model, opt)
+        state = _dcp_state(model, opt, row in MODEL_ONLY) if row in DCP_ROWS else {}
         record["setup_peak_bytes"] = peak_rss_bytes()
         record["rss_before_load_bytes"] = _status_bytes("VmRSS")
         dist.barrier()
@@ -173,17 +217,20 @@ def run_row(rank: int, world: int, row: str, src: str, full_pt: str, max_memory:
         start = time.perf_counter()
         if row == TORCH:
             record.update(_load_torch(model, opt, full_pt))
+        elif row in DCP_ROWS:
+            record.update(_load_dcp(row, state, src, hf_dir, max_memory))
         else:
             record.update(_load_reshard(model, opt, src, "rank0" if row == RANK0 else "parallel", max_memory))
         dist.barrier()
         record["wall_s"] = time.perf_counter() - start
         record["load_peak_bytes"] = peak_rss_bytes()
-        tensors = [_local(p) for p in model.parameters()]
-        tensors += [_local(v) for s in opt.state.values() for k, v in s.items() if k != "step"]
+        params = [_local(p) for p in model.parameters()]
+        tensors = params + [_local(v) for s in opt.state.values() for k, v in s.items() if k != "step"]
         record["shard_bytes"] = sum(t.numel() * t.element_size() for t in tensors)
-        checksum = torch.tensor([sum(float(t.detach().double().sum()) for t in tensors)], dtype=torch.float64)
+        checksum = torch.tensor([sum(float(t.detach().double().sum()) for t in tensors),
+                                 sum(float(t.detach().double().sum()) for t in params)], dtype=torch.float64)
         dist.all_reduce(checksum)
-        record["checksum"] = float(checksum)
+        record["checksum"], record["model_checksum"] = float(checksum[0]), float(checksum[1])
     record["peak_rss_bytes"] = max(peak_rss_bytes(), record.get("setup_peak_bytes", 0))
     Path(outdir, f"rank{rank}.json").write_text(json.dumps(record))
 
@@ -203,12 +250,25 @@ def ensure_full_file(ckpt: Path) -> Path:
     return full
 
 
-def measure(row: str, args: argparse.Namespace, ckpt: Path, full_pt: Path, shapes: dict) -> list[dict[str, Any]]:
+def ensure_hf_folder(ckpt: Path) -> Path:
+    """The same model tensors as a safetensors folder, for the HF rows (made once, cached)."""
+    import reshard
+
+    folder = ckpt.with_name(ckpt.name + ".hf")
+    marker = ckpt.with_name(ckpt.name + ".marker.json")
+    if not folder.is_dir() or (marker.is_file() and marker.stat().st_mtime > folder.stat().st_mtime):
+        print(f"making {folder} for the HF rows (reshard convert --only model)", file=sys.stderr)
+        reshard.convert(ckpt, folder, to="safetensors", only="model", overwrite=True, quiet=True)
+    return folder
+
+
+def measure(row: str, args: argparse.Namespace, ckpt: Path, full_pt: Path, shapes: dict,
+            hf_dir: Path | None = None) -> list[dict[str, Any]]:
     from reshard.runtime.world import run_world
 
     with tempfile.TemporaryDirectory(prefix="bench-load-") as out:
         run_world(run_row, args.nproc, row, str(ckpt), str(full_pt), args.max_memory, shapes, out, args.tp,
-                  timeout=args.timeout)
+                  str(hf_dir or ""), timeout=args.timeout)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(args.nproc)]
 
 
@@ -223,23 +283,27 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, c
     from reshard.core.sizes import parse_size
 
     base = {r["rank"]: r["peak_rss_bytes"] for r in results.get(BASELINE, [])}
-    lines = [f"{'row':<28} {'rank':>4} {'wall s':>7} {'peak MiB':>9} {'above base':>10} {'shard MiB':>9} "
+    lines = [f"{'row':<36} {'rank':>4} {'wall s':>7} {'peak MiB':>9} {'above base':>10} {'shard MiB':>9} "
              f"{'above base+shard':>16} {'load peak - RSS before':>22}"]
     for row, ranks in results.items():
         for r in ranks:
             peak = r["peak_rss_bytes"] / MIB
             above = (r["peak_rss_bytes"] - base[r["rank"]]) / MIB if r["rank"] in base else None
             shard = r.get("shard_bytes", 0) / MIB
-            cells = [f"{row if r['rank'] == 0 else '':<28}", f"{r['rank']:>4}",
+            cells = [f"{row if r['rank'] == 0 else '':<36}", f"{r['rank']:>4}",
                      f"{r['wall_s']:7.2f}" if "wall_s" in r else f"{'':>7}", f"{peak:9.0f}",
                      f"{above:10.0f}" if above is not None and row != BASELINE else f"{'':>10}",
                      f"{shard:9.0f}" if row != BASELINE else f"{'':>9}",
                      f"{above - shard:16.0f}" if above is not None and row != BASELINE else f"{'':>16}",
                      f"{_load_delta(r):22.0f}" if _load_delta(r) is not None else f"{'':>22}"]
             lines.append(" ".join(cells))
-    sums = {row: ranks[0]["checksum"] for row, ranks in results.items() if "checksum" in ranks[0]}
+    sums = {row: ranks[0]["checksum"] for row, ranks in results.items() if "checksum" in ranks[0] and row not in MODEL_ONLY}
     agree = len(set(sums.values())) <= 1
     lines.append(f"\nchecksums {'agree' if agree else 'DIFFER'}: " + ", ".join(f"{k}={v:.6g}" for k, v in sums.items()))
+    models = {row: ranks[0]["model_checksum"] for row, ranks in results.items() if "model_checksum" in ranks[0]}
+    agree = len(set(models.values())) <= 1
+    lines.append(f"model checksums {'agree' if agree else 'DIFFER'}: "
+                 + ", ".join(f"{k}={v:.6g}" for k, v in models.items()))
     if RANK0 in results and 0 in base:
         r0 = results[RANK0][0]
         above = (r0["peak_rss_bytes"] - base[0]) / MIB
@@ -282,12 +346,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
     ckpt = ensure_checkpoint(args.ckpt or default_ckpt_path(args.size_mb), args.size_mb)
     full_pt = ensure_full_file(ckpt) if TORCH in rows else ckpt
+    hf_dir = ensure_hf_folder(ckpt) if set(rows) & set(MODEL_ONLY) else None
     shapes = tensor_shapes(solve_dims(args.size_mb))
     ckpt_bytes = sum(f.stat().st_size for f in ckpt.iterdir() if f.is_file())
     results: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         print(f"  {row} on {args.nproc} ranks ...", file=sys.stderr, flush=True)
-        results[row] = measure(row, args, ckpt, full_pt, shapes)
+        results[row] = measure(row, args, ckpt, full_pt, shapes, hf_dir)
     print(f"\nload {ckpt} ({ckpt_bytes / MIB:.0f} MiB) into FSDP2 + AdamW on {args.nproc} gloo ranks | "
           f"--max-memory {args.max_memory} | peak = VmHWM per rank"
           + (f" | mesh dp x tp = {args.nproc // args.tp} x {args.tp} (TP+FSDP2, _StridedShard)" if args.tp > 1 else "")

@@ -69,6 +69,8 @@ BLOCKS_SKIPPED = (
                "(tests/test_runtime.py loads the same way on gloo)"),
     ("reshard inspect s3://bucket", "S3 buckets and the Hub: network and credentials (the memory:// block after it "
                                     "runs the same steps)"),
+    ("(CheckpointManager):", "torchtitan is not a test dependency (tests/test_storage_reader.py loads through "
+                             "reshard.StorageReader on gloo ranks)"),
 )
 # Blocks that are no code, by language: what they are instead.
 NOT_CODE = {

@@ -209,6 +209,7 @@ PUBLIC_SHAPES = [
     ("reshard.commands.verify:verify", ("a", "b")),
     ("reshard.runtime.load:load_model", ("model", "source", "optimizer")),
     ("reshard.runtime.load:load_state_dict", ("state_dict", "source")),
+    ("reshard.runtime.storage_reader:StorageReader", ("path",)),
     ("reshard.features.hub:push", ("folder", "repo_id")),
     ("reshard.commands.validate:validate", ("from_mesh", "to_mesh")),
 ]
