@@ -63,6 +63,11 @@ SOURCES = (
     Source("deepspeed-zero3", lambda tmp, ckpt: DATA / "deepspeed" / "zero3_fp32_3ranks"),
     Source("deepspeed-zero2-bf16", lambda tmp, ckpt: DATA / "deepspeed" / "zero2_bf16"),
     Source("megatron", lambda tmp, ckpt: DATA / "megatron" / "gpt_tp2"),
+    # what torch_checkpointing 0.1.1 itself saved (FSDP2 + AdamW on 2 ranks), and what reshard writes of the session's DCP
+    Source("torch-checkpointing", lambda tmp, ckpt: DATA / "torch_checkpointing" / "torch-2.13.0" / "torch"),
+    Source("torch-checkpointing-safetensors", lambda tmp, ckpt: DATA / "torch_checkpointing" / "torch-2.15.0" / "safetensors"),
+    Source("torch-checkpointing-written", lambda tmp, ckpt: _converted(ckpt, tmp / "tc", to="torch-checkpointing"),
+           tinynet=True),
 )
 
 
