@@ -360,3 +360,20 @@ def test_a_malformed_block_size_is_named(tmp_path: Path) -> None:
         find_quantized(catalog)
     assert str(e.value) == (f"{catalog.path}: config's quantization_config weight_block_size [0, 128] is not two "
                             "positive integers (rows and columns per scale)")
+
+
+def test_an_export_that_quantized_nothing_casts(tmp_path: Path) -> None:
+    """--quantize fp8-block of a model with no 128x128 block writes compressed-tensors' "dense"
+    format (nothing stored quantized); --dtype on it said reshard could not dequantize its
+    own export. Nothing needs dequantizing: it casts, and the config drops quantization_config."""
+    src = save_tiny_llama(tmp_path / "src", tie=False)
+    dense = tmp_path / "dense"
+    assert run_cli("convert", src, dense, "--to", "hf", "--quantize", "fp8-block", "--quiet").returncode == 0
+    assert json.loads((dense / "config.json").read_text())["quantization_config"]["format"] == "dense"
+    proc = run_cli("convert", dense, tmp_path / "f32", "--to", "hf", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    assert "quantization_config removed from the config" in proc.stderr
+    assert "quantization_config" not in json.loads((tmp_path / "f32" / "config.json").read_text())
+    back = {n: t for f in sorted((tmp_path / "f32").glob("*.safetensors")) for n, t in load_file(f).items()}
+    plain = {n: t for f in sorted(src.glob("*.safetensors")) for n, t in load_file(f).items()}
+    assert back.keys() == plain.keys() and all(torch.equal(back[n], plain[n].float()) for n in plain)

@@ -115,6 +115,8 @@ def _unsupported(qc: dict[str, Any] | None) -> str | None:
     if method not in SUPPORTED_METHODS:
         return f"quant_method {method!r}"
     if method == "compressed-tensors":
+        if qc.get("format") == "dense":  # nothing stored quantized (an export whose weights all stayed as they were)
+            return None
         if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
             return f"compressed-tensors format {qc.get('format')!r}"
         for group in (qc.get("config_groups") or {}).values():
