@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_tiny_llama", "hf_logits", "save_lora_adapter", "peft_merged", "TOKENS", "assert_checked",
+__all__ = ["save_tiny_llama", "save_hf_names_dcp", "hf_logits", "save_lora_adapter", "peft_merged", "TOKENS", "assert_checked",
            "assert_refused_without_keymap"]
 
 # Every test compares logits on the same batch: 2 sequences of 10 tokens of a 64-token vocab.
@@ -79,3 +79,18 @@ def peft_merged(base: Path, adapter: Path) -> tuple[dict[str, torch.Tensor], tor
     model = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(base), adapter).merge_and_unload().eval()
     with torch.no_grad():
         return {k: v.clone() for k, v in model.state_dict().items()}, model(TOKENS).logits
+
+
+def save_hf_names_dcp(hf_folder: Path, folder: Path) -> Path:
+    """A DCP checkpoint of an HF model's state dict under its HF names, as a training loop of
+    the user's own saves it (``dcp.save({"model": model.state_dict()})``): no config recorded."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_folder)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": model.state_dict()}, checkpoint_id=folder, no_dist=True)
+    return folder

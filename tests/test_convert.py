@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import pytest
@@ -311,19 +311,20 @@ def test_float_objects_keep_their_bits_through_safetensors_and_zarr(tmp_path: Pa
               "neg_nan": _float_from_bits(0xFFF8000000000000), "nan": float("nan"), "neg_zero": -0.0,
               "inf": float("inf"), "neg_inf": float("-inf"), "tiny": 5e-324}
     src = {"w": torch.arange(4.0), **floats, "betas": (0.9, floats["nan_payload"]), "by_id": {0: -0.0},
-           "ordered": OrderedDict(lr=0.1)}
+           "ordered": OrderedDict(lr=0.1), "counts": Counter(a=2)}
     torch.save(src, tmp_path / "src.pt")
     st = reshard.convert(tmp_path / "src.pt", tmp_path / "x.safetensors", quiet=True)
     with safe_open(tmp_path / "x.safetensors", "pt") as f:  # safetensors' own reader takes the metadata
         stored = json.loads(f.metadata()["reshard.objects"])
     assert stored["nan_payload"] == {"__float__": "0xfff8000000000123"} and stored["inf"] == {"__float__": "inf"}
-    assert st.notices == ["object 'ordered' holds a value of type OrderedDict, which safetensors metadata cannot "
+    assert st.notices == ["object 'counts' holds a value of type Counter, which safetensors metadata cannot "
                           "store; it is left out (write dcp or torch to keep it)"]
+    assert stored["ordered"] == {"__odict__": [["lr", 0.1]]}
     reshard.convert(tmp_path / "src.pt", tmp_path / "x.zarr", quiet=True)
     attrs = zarr.open_group(tmp_path / "x.zarr", mode="r").attrs.asdict()  # zarr-python reads the attributes
     assert attrs["reshard.objects"]["signaling"] == {"__float__": "0x7ff0000000000001"}
     assert _bits(attrs["reshard.objects"]["neg_zero"]) == _bits(-0.0)
-    for hop, kept in (("x.safetensors", set(src) - {"ordered"}), ("x.zarr", set(src))):
+    for hop, kept in (("x.safetensors", set(src) - {"counts"}), ("x.zarr", set(src))):
         reshard.convert(tmp_path / hop, tmp_path / f"{hop}.pt", quiet=True)
         back = torch.load(tmp_path / f"{hop}.pt", weights_only=True)
         assert set(back) == kept, hop
@@ -331,8 +332,9 @@ def test_float_objects_keep_their_bits_through_safetensors_and_zarr(tmp_path: Pa
             assert type(back[name]) is float and _bits(back[name]) == _bits(value), (hop, name)
         assert type(back["betas"]) is tuple and [_bits(x) for x in back["betas"]] == [_bits(0.9), _bits(floats["nan_payload"])]
         assert list(back["by_id"]) == [0] and _bits(back["by_id"][0]) == _bits(-0.0), hop
-        if "ordered" in kept:  # zarr keeps it in its torch.save side file
-            assert type(back["ordered"]) is OrderedDict and back["ordered"] == OrderedDict(lr=0.1)
+        assert type(back["ordered"]) is OrderedDict and back["ordered"] == OrderedDict(lr=0.1), hop
+        if "counts" in kept:  # zarr keeps it in its torch.save side file
+            assert type(back["counts"]) is Counter and back["counts"] == Counter(a=2)
 
 
 def test_a_taken_output_fails_before_the_source_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -290,6 +290,9 @@ def workspace(doc: Path, root: Path, ckpt: Path) -> Path:
         from tests.hf_models import save_lora_adapter
 
         save_lora_adapter(where / "llama-1b", where / "my-lora", r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+        from tests.hf_models import save_hf_names_dcp
+
+        save_hf_names_dcp(where / "llama-1b", where / "hf-run" / "step-500")  # a run of the user's own: no config
     if doc.name == "README.md":  # the README's own set-up makes what its commands use
         shutil.rmtree(where / "ckpt")
         readme_set_up(where)

@@ -260,3 +260,24 @@ def test_inspect_to_mesh_names_the_ranks_of_every_row(fsdp2_dcp, capsys) -> None
             named += ranks
         assert sorted(named) == list(range(world)), (mesh, rows)
         assert any(row.endswith(f"  {want}") for row in rows), (mesh, rows)
+
+
+def test_inspect_to_mesh_with_equal_ranks_does_not_name_a_largest_and_a_smallest(fsdp2_dcp, capsys) -> None:
+    """Every rank holding the same bytes printed "largest rank: 0 (...); smallest rank: 0 (...)":
+    one rank both largest and smallest. It says what each rank holds instead; uneven ranks are
+    still named."""
+    from reshard.cli.app import main
+    from reshard.pipeline.mesh_report import mesh_table
+
+    assert main(["inspect", str(fsdp2_dcp[0]), "--to-mesh", "1"]) == 0
+    out = capsys.readouterr().out
+    total = format_size(reshard.inspect(fsdp2_dcp[0]).total_bytes)
+    assert "largest rank" not in out and "smallest rank" not in out, out
+    assert f"the one rank holds {total}; imbalance (max/mean): 1.000" in out.splitlines(), out
+    row = {"params": 10, "optim": 20, "other": 0, "total": 30}
+    summary = {"mesh": {"shape": [4], "names": ["dp_shard"]}, "ranks": [dict(row, rank=r) for r in range(4)],
+               "imbalance": 1.0, "uneven": {}, "notices": []}
+    lines = mesh_table(summary).splitlines()
+    assert lines[-1] == "each of the 4 ranks holds 30 B; imbalance (max/mean): 1.000", lines
+    summary["ranks"][3] = dict(row, total=40, rank=3)
+    assert mesh_table(summary).splitlines()[-1].startswith("largest rank: 3 (40 B); smallest rank: 0 (30 B); ")

@@ -22,7 +22,10 @@ from reshard.features.dequantize import dequantized, find_quantized, quant_metho
 from reshard.features.provenance import CONFIG_OBJECT, carry_hf_configs
 from reshard.pipeline.assemble import assemble
 from reshard.pipeline.plan import sources_for
+from tests.hf_models import save_tiny_llama
 from tests.quant_models import block_reference, fp8_block_quantize, save_fp8_deepseek, save_mxfp4_gpt_oss
+from tests.test_cli import assert_one_line_error
+from tests.test_cli import reshard as run_cli
 
 GATE = "model.layers.0.mlp.gate_proj.weight"  # 300x200: blocks of 128 leave partial edges
 EXPERTS = "model.layers.0.mlp.experts.gate_up_proj"
@@ -328,8 +331,25 @@ def test_an_unsupported_quantization_is_refused(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedFormatError) as e:
         dequantized(catalog)
     assert str(e.value) == (f"{catalog.path}: quant_method 'gptq' (quantization_config in config.json) cannot be "
-                            "dequantized by reshard, which reads fp8, compressed-tensors, mxfp4 checkpoints; convert "
-                            "without --dtype to copy it as it is")
+                            "dequantized by reshard, which dequantizes fp8 (DeepSeek), compressed-tensors FP8 and mxfp4 "
+                            "checkpoints and copies others as they are; convert without --dtype to copy it as it is")
+
+
+def test_nvfp4_is_refused_saying_what_reshard_does_with_it(tmp_path: Path) -> None:
+    """reshard writes NVFP4 (--quantize nvfp4) and copies it, but does not dequantize it: the
+    refusal of --dtype says that, not that reshard "reads compressed-tensors" (it does, FP8)."""
+    src = save_tiny_llama(tmp_path / "src", tie=False)
+    nvfp4 = tmp_path / "nvfp4"
+    assert run_cli("convert", src, nvfp4, "--to", "hf", "--quantize", "nvfp4", "--quiet").returncode == 0
+    proc = run_cli("convert", nvfp4, tmp_path / "f32", "--to", "hf", "--dtype", "float32")
+    assert_one_line_error(proc, f"{nvfp4}: NVFP4 weights (compressed-tensors format 'nvfp4-pack-quantized' in "
+                                "config.json's quantization_config) cannot be dequantized: reshard writes NVFP4 "
+                                "(--quantize nvfp4) and copies NVFP4 checkpoints as they are, but does not dequantize "
+                                "them; convert without --dtype to copy it as it is")
+    assert not (tmp_path / "f32").exists()
+    copied = tmp_path / "copied"  # what the message offers works
+    assert run_cli("convert", nvfp4, copied, "--to", "hf", "--quiet").returncode == 0
+    assert reshard.inspect(copied).tensors.keys() == reshard.inspect(nvfp4).tensors.keys()
 
 
 def test_a_malformed_block_size_is_named(tmp_path: Path) -> None:
@@ -340,3 +360,20 @@ def test_a_malformed_block_size_is_named(tmp_path: Path) -> None:
         find_quantized(catalog)
     assert str(e.value) == (f"{catalog.path}: config's quantization_config weight_block_size [0, 128] is not two "
                             "positive integers (rows and columns per scale)")
+
+
+def test_an_export_that_quantized_nothing_casts(tmp_path: Path) -> None:
+    """--quantize fp8-block of a model with no 128x128 block writes compressed-tensors' "dense"
+    format (nothing stored quantized); --dtype on it said reshard could not dequantize its
+    own export. Nothing needs dequantizing: it casts, and the config drops quantization_config."""
+    src = save_tiny_llama(tmp_path / "src", tie=False)
+    dense = tmp_path / "dense"
+    assert run_cli("convert", src, dense, "--to", "hf", "--quantize", "fp8-block", "--quiet").returncode == 0
+    assert json.loads((dense / "config.json").read_text())["quantization_config"]["format"] == "dense"
+    proc = run_cli("convert", dense, tmp_path / "f32", "--to", "hf", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    assert "quantization_config removed from the config" in proc.stderr
+    assert "quantization_config" not in json.loads((tmp_path / "f32" / "config.json").read_text())
+    back = {n: t for f in sorted((tmp_path / "f32").glob("*.safetensors")) for n, t in load_file(f).items()}
+    plain = {n: t for f in sorted(src.glob("*.safetensors")) for n, t in load_file(f).items()}
+    assert back.keys() == plain.keys() and all(torch.equal(back[n], plain[n].float()) for n in plain)

@@ -362,6 +362,33 @@ def test_non_finite_weight_refused_naming_it(exports: dict[str, Path], scheme: s
     assert not (tmp_path / "out").exists()
 
 
+def test_compressed_tensors_prints_nothing_of_its_own(tmp_path: Path) -> None:
+    """The architecture check builds the model with compressed-tensors, whose own progress bars
+    ("Applying quantization config", "Compressing model") went to stderr: 4 lines under
+    --quiet, and before the one line of a refusal. --quiet prints nothing now (a process of
+    its own, as a user runs it), and a refusal is its one line."""
+    pytest.importorskip("compressed_tensors")
+    from tests.hf_models import save_tiny_llama
+    from tests.test_cli import assert_one_line_error, reshard, reshard_process
+
+    src = save_tiny_llama(tmp_path / "src", tie=False)
+    proc = reshard_process("convert", src, tmp_path / "nvfp4", "--to", "hf", "--quantize", "nvfp4", "--quiet")
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == "", proc.stderr
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in src.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    for f in sorted(bad.glob("*.safetensors")):
+        weights = load_file(f)
+        if "model.layers.1.self_attn.q_proj.weight" in weights:
+            weights["model.layers.1.self_attn.q_proj.weight"][3, 7] = float("nan")
+            save_file(weights, f, metadata={"format": "pt"})
+    for scheme in ("fp8-dynamic", "nvfp4"):
+        proc = reshard("convert", bad, tmp_path / f"refused-{scheme}", "--to", "hf", "--quantize", scheme)
+        assert_one_line_error(proc, "model.layers.1.self_attn.q_proj.weight", "NaN")
+        assert not (tmp_path / f"refused-{scheme}").exists()
+
+
 def test_unknown_scheme_lists_them(tmp_path: Path, capsys) -> None:
     assert main(["convert", str(tmp_path / "nothing-read"), str(tmp_path / "out"), "--to", "hf", "--quantize", "int3"]) == 2
     err = capsys.readouterr().err

@@ -61,3 +61,25 @@ def test_push_says_it_needs_a_token_and_shows_the_dry_run() -> None:
     assert dry and all(skip_reason(c) is None for c in dry)
     upload = next(line for line in text.splitlines() if line.startswith("reshard push") and "--dry-run" not in line)
     assert "token" in upload
+
+
+def test_the_login_hint_is_the_one_the_error_gives(tmp_path: Path, monkeypatch) -> None:
+    """The README said `huggingface-cli login` (a command huggingface_hub has replaced) where
+    `reshard push` without a token says `hf auth login`: both say the same now."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from tests.hf_models import save_tiny_llama
+    from tests.test_cli import reshard as run_cli
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)  # nothing leaves: refused before any request
+    proc = run_cli("push", save_tiny_llama(tmp_path / "model", tie=False), "someone/model")
+    assert proc.returncode == 2 and "no Hugging Face token" in proc.stderr, proc.stderr
+    login = re.search(r"run `([^`]+)`", proc.stderr)[1]
+    upload = next(line for line in README.read_text().splitlines()
+                  if line.startswith("reshard push") and "--dry-run" not in line)
+    assert login in upload, (login, upload)
+    assert not [doc.name for doc in DOCS if "huggingface-cli login" in doc.read_text()]

@@ -226,7 +226,23 @@ def _write_item_type(value: Any) -> int:
 
 _DCP = "torch.distributed.checkpoint.metadata"
 _PLANNER = "torch.distributed.checkpoint.planner"
-_GLOBALS: dict[tuple[str, str], Any] = {
+_PACKAGE = "torch.distributed.checkpoint"
+
+
+class _DCPGlobals(dict):
+    """The allow-list of ``.metadata``. A name of torch's DCP package that is not on it is a
+    class a newer torch added (as it adds fields): refused as a newer format, which upgrading
+    reshard fixes, and never built (``--allow-class`` does not apply: DCP metadata is read
+    into reshard's own records, with no stand-ins). Other names are refused as unsafe."""
+
+    def __missing__(self, key: tuple[str, str]) -> Any:
+        module, name = key
+        if module == _PACKAGE or module.startswith(_PACKAGE + "."):
+            raise _NewField(f"refers to {module}.{name}, a class of torch's DCP package which reshard does not know")
+        raise KeyError(key)
+
+
+_GLOBALS = _DCPGlobals({
     (_DCP, "Metadata"): Metadata,
     (_DCP, "TensorStorageMetadata"): TensorStorageMetadata,
     (_DCP, "BytesStorageMetadata"): BytesStorageMetadata,
@@ -244,7 +260,7 @@ _GLOBALS: dict[tuple[str, str], Any] = {
     ("pathlib", "WindowsPath"): __import__("pathlib").PureWindowsPath,
     ("pathlib", "PurePosixPath"): __import__("pathlib").PurePosixPath,
     **{("torch", name): dt for name, dt in dtypes.DTYPES.items()},
-}
+})
 
 
 @dataclass(frozen=True)

@@ -10,26 +10,46 @@ for inf or NaN; a few single-key tagged objects keep each such value exact:
 - ``{"__float__": "inf" | "-inf" | "nan"}``, and any other NaN (a payload, a sign bit) as its
   64 bits, ``{"__float__": "0xfff8000000000123"}``. Finite floats are JSON numbers, which
   Python writes and reads back bit for bit (``-0.0`` included);
-- ``{"__dtype__": "bfloat16"}``: a torch dtype, read back as ``reshard.core.dtypes.DType``.
+- ``{"__dtype__": "bfloat16"}``: a torch dtype, read back as ``reshard.core.dtypes.DType``;
+- what a config or a training state holds beside those, each read back as its own type:
+  ``{"__set__": [...]}`` and ``{"__frozenset__": [...]}`` (items in a fixed order, so the
+  bytes do not depend on the hash seed), ``{"__complex__": [real, imag]}`` (floats as above),
+  ``{"__bytearray__": "<hex>"}``, ``{"__odict__": [[key, value], ...]}`` (an ``OrderedDict``),
+  ``{"__size__": [2, 3]}`` and ``{"__device__": "cuda:1"}`` (``torch.Size``, ``torch.device``:
+  reading them imports torch), ``{"__numpy__": ["<f4", "<hex>"]}`` (a numpy scalar: its dtype
+  and its bytes), and ``datetime``'s ``__datetime__``, ``__date__``, ``__time__``,
+  ``__timedelta__`` and ``__timezone__`` (their fields, fold and fixed-offset zone included).
 
-Anything else is refused (``Unencodable``), never written as something close: subclasses
-(an OrderedDict, a Counter or an IntEnum would come back as their base type), sets, complex
-numbers, tensors, classes, ints too long for Python to read back as text. Stores written before
-NaN bits and dtypes were tagged read as they did: their ``"nan"`` is the canonical quiet NaN.
+Anything else is refused (``Unencodable``), never written as something close: other subclasses
+(a Counter, a defaultdict or an IntEnum would come back as their base type), deques, numpy
+arrays, tensors, classes, zones other than a fixed offset, ints too long for Python to read
+back as text. Stores written before NaN bits and dtypes were tagged read as they did: their
+``"nan"`` is the canonical quiet NaN.
 """
 
 from __future__ import annotations
 
+import collections
+import datetime
+import json
 import math
 import re
 import struct
+import sys
 from typing import Any
+
+import numpy as np
 
 from reshard.core import dtypes
 
 __all__ = ["Unencodable", "encode_value", "decode_value"]
 
-_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__")
+# The tags of the types JSON has a form for but not the type (tuples, non-str keys, floats it
+# has no token for, bytes, dtypes), then those of the values configs hold beside them.
+_TAGS = ("__tuple__", "__dict__", "__float__", "__bytes__", "__dtype__", "__set__", "__frozenset__", "__complex__",
+         "__bytearray__", "__odict__", "__size__", "__device__", "__numpy__", "__datetime__", "__date__", "__time__",
+         "__timedelta__", "__timezone__")
+_NUMPY_KINDS = "biufcmM"  # numpy scalars of these kinds are their bytes: bool, ints, floats, complex, times
 _QUIET_NAN_BITS = 0x7FF8000000000000  # float("nan") in CPython, what "nan" always read back as
 _NAMED_FLOATS = {"inf": math.inf, "-inf": -math.inf, "nan": struct.unpack("<d", struct.pack("<Q", _QUIET_NAN_BITS))[0]}
 _BITS = re.compile(r"0x[0-9a-f]{16}")
@@ -80,7 +100,54 @@ def encode_value(v: Any) -> Any:
             return {"__dtype__": dtypes.of(v).name}
         except KeyError:  # a torch dtype newer than reshard's table
             raise Unencodable(f"dtype {v}") from None
-    raise Unencodable(type(v).__name__)
+    typed = _encode_typed(v)
+    if typed is None:
+        raise Unencodable(type(v).__name__)
+    return typed
+
+
+def _in_order(items: Any) -> list[Any]:
+    """A set's items encoded, in the order of their JSON text: the same bytes in every process."""
+    return sorted((encode_value(x) for x in items), key=lambda e: json.dumps(e, sort_keys=True))
+
+
+def _zone(tz: Any) -> Any:
+    if tz is None or type(tz) is datetime.timezone:
+        return encode_value(tz)
+    raise Unencodable(type(tz).__name__)  # a zone with rules (zoneinfo, pytz): not data JSON can hold
+
+
+def _encode_typed(v: Any) -> dict[str, Any] | None:
+    """The tagged form of the values configs hold beside plain JSON; None for another type."""
+    t = type(v)
+    if t is set or t is frozenset:
+        return {"__set__" if t is set else "__frozenset__": _in_order(v)}
+    if t is complex:
+        return {"__complex__": [_encode_float(v.real), _encode_float(v.imag)]}
+    if t is bytearray:
+        return {"__bytearray__": v.hex()}
+    if t is collections.OrderedDict:
+        return {"__odict__": [[encode_value(k), encode_value(x)] for k, x in v.items()]}
+    if t is datetime.timedelta:
+        return {"__timedelta__": [v.days, v.seconds, v.microseconds]}
+    if t is datetime.date:
+        return {"__date__": [v.year, v.month, v.day]}
+    if t is datetime.time:
+        return {"__time__": [v.hour, v.minute, v.second, v.microsecond, _zone(v.tzinfo), v.fold]}
+    if t is datetime.datetime:
+        return {"__datetime__": [v.year, v.month, v.day, v.hour, v.minute, v.second, v.microsecond, _zone(v.tzinfo),
+                                 v.fold]}
+    if t is datetime.timezone:
+        offset, *name = v.__getinitargs__()  # how pickle rebuilds one: the offset, and the name if one was given
+        return {"__timezone__": [encode_value(offset), name[0] if name else None]}
+    if isinstance(v, np.generic) and v.dtype.kind in _NUMPY_KINDS:
+        return {"__numpy__": [v.dtype.str, v.tobytes().hex()]}
+    torch = sys.modules.get("torch")  # not imported: nothing can be a torch.Size or a device
+    if torch is not None and t is torch.Size:
+        return {"__size__": list(v)}
+    if torch is not None and t is torch.device:
+        return {"__device__": str(v)}
+    return None
 
 
 def _decode_float(body: Any) -> float:
@@ -112,7 +179,71 @@ def decode_value(v: Any) -> Any:
         return {_hashable(decode_value(k)): decode_value(x) for k, x in body}
     if tag == "__dtype__" and isinstance(body, str) and body in dtypes.DTYPES:
         return dtypes.by_name(body)
-    raise ValueError(f"malformed {tag} value {body!r}")
+    try:
+        value = _decode_typed(tag, body)
+    except (ValueError, TypeError, OverflowError, RuntimeError):  # a constructor's refusal (torch's is RuntimeError)
+        value = None
+    if value is None:
+        raise ValueError(f"malformed {tag} value {body!r}")
+    return value
+
+
+def _ints(body: Any, n: int) -> list[int]:
+    if not (isinstance(body, list) and len(body) == n and all(type(x) is int for x in body)):
+        raise ValueError("not integers")
+    return body
+
+
+def _decode_zone(body: Any) -> datetime.timezone | None:
+    zone = decode_value(body)
+    if zone is not None and type(zone) is not datetime.timezone:
+        raise ValueError("not a timezone")
+    return zone
+
+
+def _decode_typed(tag: str, body: Any) -> Any:
+    """The value of one of ``_encode_typed``'s tags; None (or a constructor's error) for a body
+    it could not have written."""
+    if tag in ("__set__", "__frozenset__") and isinstance(body, list):
+        items = [_hashable(decode_value(x)) for x in body]
+        return set(items) if tag == "__set__" else frozenset(items)
+    if tag == "__complex__" and isinstance(body, list) and len(body) == 2:
+        real, imag = (decode_value(x) for x in body)
+        return complex(real, imag) if type(real) is float and type(imag) is float else None
+    if tag == "__bytearray__" and isinstance(body, str):
+        return bytearray.fromhex(body)
+    if tag == "__odict__" and isinstance(body, list) and all(isinstance(p, list) and len(p) == 2 for p in body):
+        return collections.OrderedDict((_hashable(decode_value(k)), decode_value(x)) for k, x in body)
+    if tag == "__timedelta__":
+        value = datetime.timedelta(*_ints(body, 3))
+        return value if [value.days, value.seconds, value.microseconds] == body else None  # as written: normalized
+    if tag == "__date__":
+        return datetime.date(*_ints(body, 3))
+    if tag == "__time__" and isinstance(body, list) and len(body) == 6:
+        h, mi, sec, us, fold = _ints(body[:4] + body[5:], 5)
+        return datetime.time(h, mi, sec, us, _decode_zone(body[4]), fold=fold)
+    if tag == "__datetime__" and isinstance(body, list) and len(body) == 9:
+        y, mo, d, h, mi, sec, us, fold = _ints(body[:7] + body[8:], 8)
+        return datetime.datetime(y, mo, d, h, mi, sec, us, _decode_zone(body[7]), fold=fold)
+    if tag == "__timezone__" and isinstance(body, list) and len(body) == 2 and isinstance(body[1], (str, type(None))):
+        offset = decode_value(body[0])
+        if type(offset) is not datetime.timedelta:
+            return None
+        return datetime.timezone(offset) if body[1] is None else datetime.timezone(offset, body[1])
+    if tag == "__numpy__" and isinstance(body, list) and len(body) == 2 and all(isinstance(x, str) for x in body):
+        dtype, raw = np.dtype(body[0]), bytes.fromhex(body[1])
+        if dtype.str != body[0] or dtype.kind not in _NUMPY_KINDS or len(raw) != dtype.itemsize:
+            return None
+        return np.frombuffer(raw, dtype)[0]
+    if tag == "__size__":
+        import torch
+
+        return torch.Size(_ints(body, len(body) if isinstance(body, list) else -1))
+    if tag == "__device__" and isinstance(body, str):
+        import torch
+
+        return torch.device(body)
+    return None
 
 
 def _hashable(key: Any) -> Any:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import re
 import shlex
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -38,6 +39,7 @@ from typing import Any, cast
 
 from reshard.core.dtypes import by_name
 from reshard.core.errors import CorruptCheckpointError, option
+from reshard.core.log import LOGGER
 from reshard.core.sizes import plural
 from reshard.features.hf_options import ARCHITECTURE_CHECK
 from reshard.pipeline.progress import status
@@ -129,18 +131,27 @@ def _compute_dtype_problem(config: Mapping[str, Any]) -> str | None:
 
 @contextlib.contextmanager
 def _quiet_transformers() -> Iterator[None]:
-    """transformers' warnings and loading bars are about a load that never happens."""
+    """transformers' warnings and loading bars are about a load that never happens, and so are
+    the bars a quantizer's own library draws while the model is built ("Applying quantization
+    config", "Compressing model": compressed-tensors' tqdm bars, on ``sys.stderr``, with no
+    switch to turn them off). transformers is told to be quiet; what is written to
+    ``sys.stderr`` meanwhile is held back (the debug log has it: ``--debug``). reshard's own
+    lines are unaffected: its log handler and bars hold the stream they were given."""
     from transformers.utils import logging as hf_logging
 
     level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    held = io.StringIO()
     try:
-        yield
+        with contextlib.redirect_stderr(held):
+            yield
     finally:
         hf_logging.set_verbosity(level)
         if bars:
             hf_logging.enable_progress_bar()
+        if held.getvalue().strip():
+            LOGGER.debug("held back from stderr while building the model on the meta device:\n%s", held.getvalue().rstrip())
 
 
 def check_architecture(config: Mapping[str, Any], tensors: Mapping[str, Any]) -> ArchitectureCheck:

@@ -115,6 +115,8 @@ def _unsupported(qc: dict[str, Any] | None) -> str | None:
     if method not in SUPPORTED_METHODS:
         return f"quant_method {method!r}"
     if method == "compressed-tensors":
+        if qc.get("format") == "dense":  # nothing stored quantized (an export whose weights all stayed as they were)
+            return None
         if qc.get("format") not in (None, "float-quantized", "naive-quantized"):
             return f"compressed-tensors format {qc.get('format')!r}"
         for group in (qc.get("config_groups") or {}).values():
@@ -122,6 +124,26 @@ def _unsupported(qc: dict[str, Any] | None) -> str | None:
             if isinstance(w, dict) and (w.get("type") != "float" or w.get("num_bits") != 8):
                 return f"compressed-tensors {w.get('type')} {w.get('num_bits')}-bit weights"
     return None
+
+
+def _is_nvfp4(qc: dict[str, Any]) -> bool:
+    """compressed-tensors' NVFP4 (what ``--quantize nvfp4`` writes): packed FP4 weights."""
+    groups = (qc.get("config_groups") or {}).values()
+    weights = [w for g in groups if isinstance(g, dict) and isinstance(w := g.get("weights"), dict)]
+    return qc.get("quant_method") == "compressed-tensors" and (
+        str(qc.get("format")).startswith("nvfp4") or any(w.get("type") == "float" and w.get("num_bits") == 4 for w in weights))
+
+
+def _undequantizable(path: Path, qc: dict[str, Any], why: str) -> str:
+    """The refusal of ``--dtype`` on a quantization reshard does not dequantize: what it does
+    with that checkpoint instead (NVFP4 it also writes), and what to do."""
+    copy = "convert without --dtype to copy it as it is"
+    if _is_nvfp4(qc):
+        return (f"{path}: NVFP4 weights ({why} in config.json's quantization_config) cannot be dequantized: reshard "
+                f"writes NVFP4 (--quantize nvfp4) and copies NVFP4 checkpoints as they are, but does not dequantize them; "
+                f"{copy}")
+    return (f"{path}: {why} (quantization_config in config.json) cannot be dequantized by reshard, which dequantizes "
+            f"fp8 (DeepSeek), compressed-tensors FP8 and mxfp4 checkpoints and copies others as they are; {copy}")
 
 
 def _block(value: Any, field: str, source: Path) -> tuple[int, int]:
@@ -374,9 +396,8 @@ def dequantized(catalog: Catalog) -> Catalog:
     qc = _quant_config(catalog)
     why = _unsupported(qc)
     if why is not None:
-        raise UnsupportedFormatError(f"{catalog.path}: {why} (quantization_config in config.json) cannot be "
-                                     f"dequantized by reshard, which reads {', '.join(SUPPORTED_METHODS)} "
-                                     "checkpoints; convert without --dtype to copy it as it is")
+        assert qc is not None  # _unsupported finds a reason only in a config
+        raise UnsupportedFormatError(_undequantizable(catalog.path, qc, why))
     schemes, problems = _scan(catalog)
     if problems:
         raise UsageError(_refusal(catalog, problems))

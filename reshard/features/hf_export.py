@@ -225,6 +225,8 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
             raise UsageError(f"{catalog.path}: config ties the embeddings (tie_word_embeddings) but {_HEAD} differs "
                              f"from {_EMBED}; set tie_word_embeddings to false in the config or fix the checkpoint")
         del tensors[_HEAD]  # transformers re-ties it on load, as save_pretrained leaves it out
+        notices.append(f"{_HEAD} left out: it equals {_EMBED} and config.json ties them (tie_word_embeddings), so "
+                       "transformers re-ties the head on load, as save_pretrained writes it")
     files = find_assets(assets) if assets is not None else _source_assets(catalog)
     if config is not None and gen is None and not carried and "generation_config.json" not in files:
         gen = generation_config(config)

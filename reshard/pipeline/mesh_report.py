@@ -77,7 +77,8 @@ def rank_ranges(ranks: list[int]) -> str:
 
 def mesh_table(summary: dict[str, Any]) -> str:
     """Ranks that hold the same bytes share one row (a 128-rank mesh is a few rows, not 128),
-    which names them last (``0-127``); the largest and smallest rank are always named."""
+    which names them last (``0-127``); the largest and smallest rank are always named, unless
+    every rank holds the same bytes (then that size is)."""
     mesh = summary["mesh"]
     keys = ("params", "optim", "other", "total")
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -88,11 +89,16 @@ def mesh_table(summary: dict[str, Any]) -> str:
     for values, ranks in sorted(groups.items(), key=lambda kv: kv[1][0]):
         lines.append("  ".join(f"{format_size(v):>10}" for v in values) + f"  {rank_ranges(ranks)}")
     totals = [(row["total"], row["rank"]) for row in summary["ranks"]]
+    imbalance = f"imbalance (max/mean): {summary['imbalance']:.3f}"
     if totals:
         most, big = max(totals, key=lambda t: (t[0], -t[1]))
         least, small = min(totals)
-        lines.append(f"largest rank: {big} ({format_size(most)}); smallest rank: {small} ({format_size(least)}); "
-                     f"imbalance (max/mean): {summary['imbalance']:.3f}")
+        if most == least:  # no rank is the largest: each holds the same
+            each = "the one rank" if len(totals) == 1 else f"each of the {len(totals)} ranks"
+            lines.append(f"{each} holds {format_size(most)}; {imbalance}")
+        else:
+            lines.append(f"largest rank: {big} ({format_size(most)}); smallest rank: {small} ({format_size(least)}); "
+                         f"{imbalance}")
     if summary["uneven"]:
         n = len(summary["uneven"])
         lines.append(f"warning: {plural(n, 'tensor')} {'does' if n == 1 else 'do'} not divide evenly over the mesh:")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from reshard.core import errors
 from reshard.core import torch_compat as _torch_compat
 from reshard.core.catalog import Catalog, ObjectTable, object_loader
+from reshard.core.dtypes import DType
 from reshard.core.errors import ReshardError, UsageError
 from reshard.core.log import log_notices
 from reshard.core.sizes import format_size, plural, preview
@@ -46,6 +47,7 @@ from reshard.pipeline.progress import Progress
 from reshard.runtime.load_plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
 from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
+from reshard.safe_pickle.walk import find_in, replace_in
 from reshard.sources.reading import given_config, given_layout
 
 __all__ = ["load_model", "load_state_dict", "LoadOptions", "LoadResult", "StateDictMismatchError", "MODES"]
@@ -56,7 +58,8 @@ MODES = LOAD_MODES
 @dataclass
 class LoadResult:
     """What one rank loaded. ``objects`` are the checkpoint's non-tensor values (``train.step``,
-    configs...), the same on every rank."""
+    configs...), the same on every rank, as the types they were saved as (a ``torch.dtype``,
+    ``torch.Size``, ``OrderedDict``, numpy scalar...), whichever format holds them."""
 
     source: Path
     mode: str  # "rank0", "parallel", or "local" (no process group)
@@ -270,8 +273,18 @@ def _said(result: LoadResult) -> LoadResult:
 
 def _result(load: _Load, nbytes: int, started: float) -> LoadResult:
     p = load.plan
-    return LoadResult(load.source, load.mode, p.loaded, list(p.missing), list(p.unexpected), dict(p.objects),
+    objects = {name: _as_saved(value) for name, value in p.objects.items()}
+    return LoadResult(load.source, load.mode, p.loaded, list(p.missing), list(p.unexpected), objects,
                       nbytes, time.perf_counter() - started, list(p.notices))
+
+
+def _as_saved(value: Any) -> Any:
+    """An object as it was saved. Readers carry a saved ``torch.dtype`` as reshard's ``DType``
+    (reading one needs no torch; a DCP byte object is already torch's), which user code
+    compares with torch's (``== torch.bfloat16`` raises): here, every one is torch's again."""
+    if find_in(value, lambda x: isinstance(x, DType)) is None:
+        return value  # nothing to change (and an object that refers to itself is left as it is)
+    return replace_in(value, lambda x: x.torch if isinstance(x, DType) else x)
 
 
 # ------------------------------------------------------------------------------ public API

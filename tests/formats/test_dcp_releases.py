@@ -176,6 +176,29 @@ def test_tensor_properties_of_unknown_length_are_a_newer_format(tmp_path: Path, 
     assert_one_line_error(proc, "TensorProperties has 7 fields", "written by a torch newer than reshard")
 
 
+def test_a_dcp_class_reshard_does_not_know_is_a_newer_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A class of torch's DCP package that reshard's allow-list lacks is a newer torch's, as a
+    new field is: the refusal says so and to upgrade reshard, not that the file could run code
+    (nor to pass --allow-class, which the DCP reader does not take: it builds no stand-ins)."""
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+
+    class StorageLayout:  # as a torch newer than reshard might add and pickle into .metadata
+        pass
+
+    StorageLayout.__module__, StorageLayout.__qualname__ = dcp_metadata.__name__, "StorageLayout"
+    monkeypatch.setattr(dcp_metadata, "StorageLayout", StorageLayout, raising=False)
+    folder = _rewritten(tmp_path, lambda meta: setattr(meta, "storage_meta", StorageLayout()))
+    monkeypatch.undo()
+    klass = "torch.distributed.checkpoint.metadata.StorageLayout"
+    for extra in ((), ("--allow-class", klass)):
+        proc = run_cli("inspect", folder, *extra)
+        assert_one_line_error(proc, str(folder / ".metadata"), klass, "written by a torch newer than reshard",
+                              f"to {NEWEST_TESTED}", "upgrade reshard")
+        assert "run code" not in proc.stderr and "--allow-class" not in proc.stderr, proc.stderr
+    with pytest.raises(NewerFormatError):
+        reshard.inspect(folder)
+
+
 def test_every_release_loads_reshards_dcp_output() -> None:
     """Each release's own ``dcp_to_torch_save`` read reshard-mesh3 (``--to-mesh 3`` of the 2.13.0
     fixture) equal to its source when its fixtures were made; reshard still writes exactly those

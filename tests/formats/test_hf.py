@@ -131,8 +131,15 @@ def test_tied_config_with_a_different_lm_head_is_refused(tmp_path: Path) -> None
     assert not (tmp_path / "out").exists()
     model["lm_head.weight"] = model["model.embed_tokens.weight"].clone()
     _save_sectioned(tmp_path / "good", model, config)
-    assert run_cli("convert", tmp_path / "good", tmp_path / "out", "--to", "hf", "--quiet").returncode == 0
+    proc = run_cli("convert", tmp_path / "good", tmp_path / "out", "--to", "hf")
+    assert proc.returncode == 0, proc.stderr
     assert set(_load_all(tmp_path / "out")) == {"model.embed_tokens.weight"}
+    # The head is left out as save_pretrained leaves it out, and the notices say so.
+    assert ("notice: lm_head.weight left out: it equals model.embed_tokens.weight and config.json ties them "
+            "(tie_word_embeddings), so transformers re-ties the head on load, as save_pretrained writes it") \
+        in proc.stderr.splitlines(), proc.stderr
+    result = reshard.convert(tmp_path / "good", tmp_path / "out2", to="hf", quiet=True)
+    assert any(n.startswith("lm_head.weight left out") for n in result.notices), result.notices
 
 
 def _fake_hub_cache(cache: Path, repo_id: str, files: Path) -> None:
