@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 import reshard
 from reshard.core.errors import OutputExistsError, UsageError
@@ -134,3 +137,96 @@ def test_foreign_files_by_the_manifest() -> None:
                ".cache/", ".cache/huggingface/", ".cache/huggingface/upload/state"]
     assert foreign_files(present, listed) == ["notes/", "x.txt"]
     assert foreign_files(["a"], set()) == ["a"]
+
+
+# ------------------------------------------------- found by the adversarial review of 2026-11-28
+
+# --- --overwrite: the source through a file of it --------------------------------------------
+
+
+def _sharded_safetensors(folder: Path) -> None:
+    folder.mkdir()
+    save_file({"a": torch.arange(6, dtype=torch.float32)}, folder / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.ones(3)}, folder / "model-00002-of-00002.safetensors")
+    index = {"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors",
+                                            "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_a_shard_of_an_index_source_is_not_overwritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SRC an index file, DST one of the shards it names: the source checkpoint is destroyed (exit 0)."""
+    monkeypatch.chdir(tmp_path)
+    _sharded_safetensors(tmp_path / "hf")
+    shard = tmp_path / "hf" / "model-00001-of-00002.safetensors"
+    before = shard.read_bytes()
+    proc = cli("convert", "hf/model.safetensors.index.json", "hf/model-00001-of-00002.safetensors",
+               "--to", "safetensors", "--overwrite")
+    assert shard.read_bytes() == before, "the source's shard was replaced"
+    assert proc.returncode == 2, proc.stderr
+
+
+def test_the_file_a_source_symlink_points_to_is_not_overwritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HF-cache-like source (snapshot symlinks into blobs/): DST the blob replaces the source's bytes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "snap").mkdir()
+    save_file({"w": torch.arange(4, dtype=torch.float32)}, tmp_path / "blobs" / "abc123")
+    (tmp_path / "snap" / "model.safetensors").symlink_to("../blobs/abc123")
+    before = (tmp_path / "blobs" / "abc123").read_bytes()
+    proc = cli("convert", "snap", "blobs/abc123", "--to", "safetensors", "--dtype", "bfloat16", "--overwrite")
+    blob = tmp_path / "blobs" / "abc123"
+    assert blob.is_file() and blob.read_bytes() == before, "the source's file (through its symlink) was replaced"
+    assert proc.returncode == 2, proc.stderr
+
+
+# --- --overwrite of a URL output: the old output goes before the new one exists -------------
+
+
+def test_url_overwrite_keeps_the_old_output_until_the_new_one_is_complete(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsspec
+
+    from reshard.pipeline import sinks
+
+    save_file({"w": torch.ones(4)}, tmp_path / "src.safetensors")
+    url = f"memory://review-{os.getpid()}/out"
+    reshard.convert(tmp_path / "src.safetensors", url, to="safetensors")
+    fs = fsspec.filesystem("memory")
+    before = sorted(fs.find(url.removeprefix("memory:/")))
+    assert before
+
+    def interrupted(self: object, files: object) -> None:  # a dropped connection, Ctrl-C: the write stops
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sinks.RemoteSink, "prepare", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        reshard.convert(tmp_path / "src.safetensors", url, to="safetensors", overwrite=True)
+    assert sorted(fs.find(url.removeprefix("memory:/"))) == before, "the old output was deleted before the new one"
+
+
+# --- --overwrite: what the user never named -------------------------------------------------
+
+
+def test_a_default_named_output_does_not_replace_a_users_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No DST: the default name model.pt is a file the user has (not a reshard output); --overwrite
+    replaces it, though the rule is 'the one file the user named'."""
+    monkeypatch.chdir(tmp_path)
+    save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    torch.save({"mine": "precious"}, tmp_path / "model.pt")
+    before = (tmp_path / "model.pt").read_bytes()
+    proc = cli("convert", "model.safetensors", "--to", "torch", "--overwrite")
+    assert (tmp_path / "model.pt").read_bytes() == before, "a file the user never named was replaced"
+    assert proc.returncode == 2, proc.stderr
+
+
+def test_a_users_file_under_cache_huggingface_is_not_deleted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Everything under .cache/huggingface/ counts as reshard's (push state), whatever it is."""
+    monkeypatch.chdir(tmp_path)
+    save_file({"w": torch.ones(2)}, tmp_path / "src.safetensors")
+    assert cli("convert", "src.safetensors", "out", "--to", "safetensors", "--max-shard-size", "1GB").returncode == 0
+    notes = tmp_path / "out" / ".cache" / "huggingface" / "my-notes.txt"
+    notes.parent.mkdir(parents=True)
+    notes.write_text("mine")
+    proc = cli("convert", "src.safetensors", "out", "--to", "safetensors", "--max-shard-size", "1GB", "--overwrite")
+    assert notes.is_file(), "a user's file under .cache/huggingface was deleted"
+    assert proc.returncode == 2, proc.stderr

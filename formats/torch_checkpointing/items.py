@@ -75,6 +75,7 @@ def sharded_item(catalog: Catalog, item: str, meta: ItemMetadata, files: dict[in
         if why is not None:
             raise CorruptCheckpointError(f"{catalog.path}: the ranks' parts of {name!r} do not make up the tensor "
                                          f"metadata.pkl describes: {why}")
+        _unclaimed(catalog, name)
         catalog.tensors[name] = TensorEntry(name, first.global_shape, first.dtype, list(chunks.values()))
         catalog.paths[name] = nested
         if catalog.facts.source_mesh is None and any(kind == "Shard" for kind, _ in first.placements):
@@ -131,6 +132,7 @@ def plain_item(catalog: Catalog, item: str, files: dict[int, RankFile]) -> None:
         if len(copies) != world:
             missing = sorted(set(files) - {r for r, _, _ in copies})
             raise CorruptCheckpointError(f"{files[missing[0]].path}: lacks {name!r}, which the other ranks' files hold")
+        _unclaimed(catalog, name)
         if isinstance(copies[0][2], DTensorRef):
             ref = copies[0][2]
             catalog.tensors[name] = sharded_entry(name, [(r, p, leaf) for r, p, leaf in copies], world, catalog.path)
@@ -152,6 +154,14 @@ def plain_item(catalog: Catalog, item: str, files: dict[int, RankFile]) -> None:
         catalog.facts.source_placements = placements
 
 
+def _unclaimed(catalog: Catalog, name: str) -> None:
+    """Two values under one name (a tensor and an object, or two items' paths that read alike)
+    would leave one of them out: refused, never one dropped."""
+    if name in catalog.tensors or name in catalog.objects:
+        raise CorruptCheckpointError(f"{catalog.path}: two values are saved under the name {name!r}; "
+                                     "reshard cannot tell which one a reader means")
+
+
 def add_objects(catalog: Catalog, item: str, files: dict[int, RankFile]) -> list[str]:
     """The item's non-tensor values: once when every rank saved the same, else once per rank.
     Returns the names kept per rank."""
@@ -160,6 +170,7 @@ def add_objects(catalog: Catalog, item: str, files: dict[int, RankFile]) -> list
     paths = list(dict.fromkeys(n for f in files.values() for n, leaf in f.leaves.items() if not is_tensor(leaf)))
     for nested in paths:
         name = _name(nested)
+        _unclaimed(catalog, name)
         copies: list[tuple[int, Path, Any]] = [(r, f.path, f.leaves[nested]) for r, f in files.items()
                                                if nested in f.leaves]
         if any(is_tensor(leaf) for _, _, leaf in copies):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -44,10 +45,13 @@ from reshard.core.errors import CorruptCheckpointError, NewerFormatError, Unsupp
 from reshard.core.sharding import REPLICATE, Placement, rank_coordinate, shard, shard_box
 from reshard.safe_pickle.unpickler import safe_loads
 
-__all__ = ["METADATA_FILE", "VERSIONS", "READS", "TorchSerialization", "SafetensorsSerialization", "ItemLayout",
+__all__ = ["METADATA_FILE", "ITEM_NAME", "VERSIONS", "READS", "TorchSerialization", "SafetensorsSerialization", "ItemLayout",
            "DTensorSharding", "Group", "ItemMetadata", "TCMetadata", "read_metadata", "default_layout", "joined", "newer"]
 
 METADATA_FILE = "metadata.pkl"
+# What the library takes as an item's key (CheckpointBase's check): letters, digits, _ and -, so no
+# two items' names can run together once their paths are joined with dots.
+ITEM_NAME = re.compile(r"[a-zA-Z0-9_-]+")
 # DistributedMetadata's versions: "2.0" is what torch_checkpointing 0.1.1 writes (_CURRENT_VERSION).
 VERSIONS = frozenset({"2.0"})
 READS = "metadata.pkl version 2.0, as torch_checkpointing 0.1.1 writes it"
@@ -195,8 +199,9 @@ class _Reader:
             raise self.corrupt("metadata", f"expected a dict of items, found {type(d['metadata']).__name__}")
         items = {}
         for item, value in d["metadata"].items():
-            if not isinstance(item, str) or not item or "/" in item:
-                raise self.corrupt("metadata", f"the item key {item!r} is not a name")
+            if not isinstance(item, str) or not ITEM_NAME.fullmatch(item):  # the library refuses other keys
+                raise self.corrupt("metadata", f"the item key {item!r} is not a name torch_checkpointing takes "
+                                               f"({ITEM_NAME.pattern})")
             items[item] = self.item(item, value, world)
         self.distinct_files(items)
         return TCMetadata(d["version"], world, items)
@@ -205,8 +210,10 @@ class _Reader:
         where = f"item {item!r}"
         d = self.keys(value, _ITEM, where)
         layouts_raw = d["rank_to_layout_info"]
-        if not isinstance(layouts_raw, dict) or set(layouts_raw) != set(range(world)):
-            found = sorted(layouts_raw) if isinstance(layouts_raw, dict) else layouts_raw
+        # the count first: a hostile world_size must not be allocated as a range
+        if not isinstance(layouts_raw, dict) or len(layouts_raw) != world \
+                or not all(type(r) is int and 0 <= r < world for r in layouts_raw):
+            found = sorted(layouts_raw, key=repr)[:8] if isinstance(layouts_raw, dict) else layouts_raw
             raise self.corrupt(where, f"rank_to_layout_info must name ranks 0 to {world - 1}, found {found!r}")
         layouts = {r: self.layout(item, r, layouts_raw[r]) for r in range(world)}
         paths_raw = d["nested_path_to_metadata"]

@@ -22,12 +22,12 @@ reshard never imports torch_checkpointing. Which device the meshes are recorded 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 from reshard.formats.torch.save import build_tree
 from reshard.formats.torch.zip_write import PieceRef, embed_tensors, torch_save_segments
+from reshard.formats.torch_checkpointing.metadata import ITEM_NAME
 from reshard.formats.torch_checkpointing.write_dtensor import RankDTensors
 from reshard.formats.torch_checkpointing.write_metadata import (
     METADATA_FILE,
@@ -48,7 +48,6 @@ from reshard.pipeline.options import WriterOptions
 __all__ = ["TorchCheckpointingWriter"]
 
 _MODEL_ITEM = "model"  # the item of a model saved at the top level (what trainers name it)
-_ITEM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 def _layout(target: Target) -> Layout:
@@ -56,7 +55,7 @@ def _layout(target: Target) -> Layout:
     tensors = {n: TensorEntry(n, t.shape, t.dtype) for n, t in target.tensors.items()}
     names = Catalog(format="target", path=Path(), tensors=tensors, objects=dict.fromkeys(target.objects),
                     paths=target.paths, facts=target.facts)
-    return detect_layout(names, refuse_ambiguous=False)
+    return detect_layout(names)  # which tensors are the model decides the items: an ambiguous layout is refused
 
 
 def _items(target: Target) -> dict[str, list[tuple[NestedPath, str]]]:
@@ -73,9 +72,10 @@ def _items(target: Target) -> dict[str, list[tuple[NestedPath, str]]]:
             item, inner = _MODEL_ITEM, path
         else:
             item, inner = path[0], path[1:]
-        if not isinstance(item, str) or not _ITEM_NAME.fullmatch(item) or item in (".", ".."):
-            raise UsageError(f"{name!r}: a torch_checkpointing item is named by the top-level key {item!r}, which is "
-                             "no file name (<item>_<rank>.pt); rename it with --keymap or leave it out with --exclude")
+        if not isinstance(item, str) or not ITEM_NAME.fullmatch(item):
+            raise UsageError(f"{name!r}: a torch_checkpointing item is named by the top-level key {item!r}, which "
+                             f"torch_checkpointing does not take as an item ({ITEM_NAME.pattern}); rename it with --keymap "
+                             "or leave it out with --exclude")
         items.setdefault(item, []).append((inner, name))
     for item, entries in items.items():
         if any(not inner for inner, _ in entries) and len(entries) > 1:

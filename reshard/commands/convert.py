@@ -200,6 +200,10 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
     remote_dst = str(dst) if dst is not None and dst_path is None else None  # an fsspec URL (reshard.pipeline.sinks)
     catalog = source.catalog
     before = source_files(catalog) if source.path is not None else {}
+    # the files the source reads, beside its path: a shard an index names, a snapshot link's blob
+    sources = (source.path, *before) if source.path is not None else ()
+    if dst_path is not None and not opts.dry_run:
+        _refuse_taken(dst_path, opts.overwrite, sources)
     to = opts.to
     if to is None:
         named_as = dst_path if dst_path is not None else Path(remote_dst.split("://", 1)[1]) if remote_dst else None
@@ -220,7 +224,7 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
         dst_path = default_destination(source.beside, to, sharded=opts.shard_bytes is not None,
                                        mesh_label=spec.label if spec else None, dtype=cast)
         if not opts.dry_run:
-            _refuse_taken(dst_path, opts.overwrite, (source.path,) if source.path is not None else ())
+            _refuse_taken(dst_path, opts.overwrite, sources, named=False)
     out = dst_path if dst_path is not None else remote_dst
     assert out is not None  # the DST given, or its default
     check_output_options(Path(out), to, opts)
@@ -248,8 +252,7 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
                           marker=getattr(writer, "marker", None))
     else:
         assert dst_path is not None  # not a URL: a local DST
-        sink = StagedSink(dst_path, is_dir=writer.output_is_dir, overwrite=opts.overwrite,
-                          sources=(source.path,) if source.path is not None else (), fsync=opts.fsync,
+        sink = StagedSink(dst_path, is_dir=writer.output_is_dir, overwrite=opts.overwrite, sources=sources, fsync=opts.fsync,
                           check=lambda: _check_unchanged(before))
     shown = Path(str(out)).name
     stats = write_output(plan, writer, target, files, sink, current_workers() if remote_dst is None else None, opts,
@@ -257,15 +260,20 @@ def _convert(src: str | os.PathLike, dst: str | os.PathLike | None, opts: Conver
     return result(time.perf_counter() - start, stats.kernel_bytes)
 
 
-def _refuse_taken(dst: Path, overwrite: bool, sources: tuple[Path, ...]) -> None:
-    """``staging.refuse_taken`` before the work. In a torchrun job rank 0 decides (the ranks
-    may see the shared folder at different moments) and every rank raises its answer before
-    any has written, which rank 0 alone prints."""
+def _refuse_taken(dst: Path, overwrite: bool, sources: tuple[Path, ...], *, named: bool = True) -> None:
+    """``staging.refuse_taken`` before the work; an output the user did not name (the default
+    beside the source) replaces only a folder reshard wrote, never a file there, which may be
+    the user's. In a torchrun job rank 0 decides (the ranks may see the shared folder at
+    different moments) and every rank raises its answer before any has written, which rank 0
+    alone prints."""
     workers = current_workers()
     refused: ReshardError | None = None
     if workers is None or workers.rank == 0:
         try:
             refuse_taken(dst, overwrite, sources)
+            if overwrite and not named and (dst.is_symlink() or (dst.exists() and not dst.is_dir())):
+                raise OutputExistsError(f"{dst}: the default output name is taken by a file, which --overwrite replaces "
+                                        "only when you name it: give it as DST to replace it")
         except (OutputExistsError, UsageError) as e:
             refused = e
     if workers is not None:

@@ -4,15 +4,18 @@
 user can predict, checked before any work and again under the output's lock just before the
 old output goes (a conversion can run for an hour; a user may copy a tokenizer in meanwhile):
 
-* a destination that is, contains or lies inside a source is never written, with or without
-  ``--overwrite`` (paths compared after resolving symlinks and ``..``: ``plink -> parent`` is
-  ``parent``); bind mounts show the same files under two unrelated paths and are not seen;
+* a destination that is, contains or lies inside a source, or is or holds any file the source
+  reads (a shard an index names, the blob a Hub snapshot's symlink points to), is never
+  written, with or without ``--overwrite`` (paths compared after resolving symlinks and
+  ``..``: ``plink -> parent`` is ``parent``); bind mounts show the same files under two
+  unrelated paths and are not seen;
 * the working directory, the home directory and a file system root (a mount point) are never
   replaced;
 * a file is replaced, that file alone;
 * a folder is replaced only when everything in it is a previous reshard output: files its
   ``.reshard-manifest.json`` lists (every folder output carries one), the manifest itself, and
-  the upload state ``reshard push`` leaves (``.cache/huggingface``). An empty folder holds
+  the upload state ``reshard push`` leaves (huggingface_hub's ``.cache/huggingface/upload/``
+  and its ``.gitignore``). An empty folder holds
   nothing to lose. Anything else (a user's file, a folder of notes, another tool's output) is
   named in the refusal, with nothing touched.
 
@@ -40,8 +43,9 @@ __all__ = ["CLAIM_NAME", "refuse_overlap", "refuse_unreplaceable", "foreign_file
 CLAIM_NAME = ".reshard-writing.json"  # an upload in progress: the names it puts (reshard.pipeline.sinks.RemoteSink)
 
 # What reshard leaves inside a folder output besides the files its manifest lists: push's
-# resumable upload state (huggingface_hub's upload_large_folder keeps it in FOLDER/.cache/huggingface).
-_OURS_UNLISTED = (MANIFEST_NAME, ".cache/huggingface")
+# resumable upload state (huggingface_hub's upload_large_folder keeps it in
+# FOLDER/.cache/huggingface/upload/, beside a .gitignore of its own); nothing else there.
+_OURS_UNLISTED = (MANIFEST_NAME, ".cache/huggingface/upload", ".cache/huggingface/.gitignore")
 _SHOWN = 3  # foreign entries named in a refusal
 
 
@@ -50,8 +54,9 @@ def _resolved(path: Path) -> Path:
 
 
 def refuse_overlap(dst: Path, sources: Iterable[Path]) -> None:
-    """A destination that is, contains or lies inside a source: refused, whatever the options
-    (writing there would delete or change the source before it is read)."""
+    """A destination that is, contains or lies inside a source (the path given, or any file
+    the source reads): refused, whatever the options (writing there would delete or change
+    the source before it is read)."""
     out = _resolved(dst)
     for src in sources:
         real = _resolved(src)

@@ -22,8 +22,9 @@ And two ways an output appears, each the sink's own business (``open``, ``commit
   SIGKILL the keys stay, and the next write refuses them as an unfinished write until
   ``--overwrite``). Until the marker is put no reader (ours, torch's ``FsspecReader``,
   transformers, zarr-python) takes the URL for a checkpoint. What an object store cannot
-  give, and reshard does not pretend to: an overwrite is not atomic (the old output is gone
-  before the new one is whole), and two writers to one URL at once are not detected.
+  give, and reshard does not pretend to: an overwrite is not atomic (the old output keeps its
+  objects until the first upload, then loses its markers; what the new output does not
+  replace goes when it is complete), and two writers to one URL at once are not detected.
 """
 
 from __future__ import annotations
@@ -279,6 +280,9 @@ class RemoteSink:
         self.is_dir, self.overwrite, self.marker = is_dir, overwrite, marker
         self._put: list[RemotePath] = []
         self._digests: dict[str, FileDigest] = {}
+        self._old: list[str] = []  # what a previous output there holds (store paths), retired as the new one comes
+        self._old_one_file = False
+        self._retired = False
         self._committed = False
 
     def _is_marker(self, key: str) -> bool:
@@ -289,9 +293,12 @@ class RemoteSink:
         return self.root / relpath if relpath else self.root
 
     def open(self) -> None:
-        """Refuse a URL that holds anything, or (``overwrite``) empty it, markers first: one
-        object, or a prefix of what a previous reshard output wrote there (its manifest lists
-        them; ``reshard.pipeline.replace``), nothing else."""
+        """Refuse a URL that holds anything, unless ``overwrite`` and it is one object, or a
+        prefix of what a previous reshard output wrote there (its manifest lists them;
+        ``reshard.pipeline.replace``). Nothing is deleted here: an object store cannot rename,
+        so the old output stays whole until the first new byte goes up, then loses its markers
+        (no reader takes a mix of two outputs for a checkpoint), and what the new output does
+        not replace goes once it is complete."""
         forget_cached(self.root)
         if not self.root.exists():
             return
@@ -311,15 +318,33 @@ class RemoteSink:
                                      claim.fs.cat_file(claim.path) if claim.path in keys else None, manifest.url)
             if foreign:
                 raise refusal(self.root, foreign, "prefix")
-        keys.sort(key=lambda k: not self._is_marker(k))
-        for key in keys:
+        self._old, self._old_one_file = keys, one_file
+
+    def _old_names(self) -> list[str]:
+        prefix = self.root.path.rstrip("/") + "/"
+        return [] if self._old_one_file else [k.removeprefix(prefix) for k in self._old]
+
+    def _retire(self) -> None:
+        """Before the first new byte: the old output's markers go (or all of it, where a file
+        replaces a folder or a folder a file), so no reader ever takes the mix for a checkpoint."""
+        if self._retired:
+            return
+        self._retired = True
+        if self._old_one_file:
+            going = [] if not self.is_dir else self._old  # a file over a file: its upload replaces it
+        elif not self.is_dir:
+            going = self._old
+        else:
+            going = [k for k in self._old if self._is_marker(k)]
+        for key in going:
             self.root.fs.rm_file(key)
+        self._old = [k for k in self._old if k not in set(going)]
 
     def prepare(self, files: list[tuple[str, int]]) -> None:
         """A folder's claim goes first: a write killed before its manifest is put is still
         known to be reshard's, and ``--overwrite`` may clear it (``reshard.pipeline.replace``)."""
         if self.is_dir:
-            self._claim([rel for rel, _ in files])
+            self._claim([*(rel for rel, _ in files), *self._old_names()])
 
     def _claim(self, names: list[str]) -> None:
         dest = self._dest(CLAIM_NAME)
@@ -331,6 +356,7 @@ class RemoteSink:
     def file(self, relpath: str) -> Iterator[_Upload]:
         """On an error the upload is discarded, not closed: closing an fsspec file commits it
         (completes the multipart upload) with what it holds so far."""
+        self._retire()
         dest = self._dest(relpath)
         self._put.append(dest)
         stream = dest.open("wb")
@@ -359,6 +385,7 @@ class RemoteSink:
     def commit(self, writer: Writer, target: Target, files: list[OutputFile], digests: dict[str, FileDigest]) -> None:
         """What the writer's ``finish`` makes, made in a local temp folder and put after the
         data: the marker files last, the writer's own ``marker`` the very last."""
+        self._retire()
         if self.is_dir:
             last = self.marker
             with tempfile.TemporaryDirectory(prefix="reshard-finish-") as tmp:
@@ -368,11 +395,15 @@ class RemoteSink:
                 listed = {**self._digests, **{rel: file_digest(p) for rel, p in made}}
                 (Path(tmp) / MANIFEST_NAME).write_bytes(manifest_bytes(listed))
                 made.append((MANIFEST_NAME, Path(tmp) / MANIFEST_NAME))
-                self._claim([*self._digests, *(rel for rel, _ in made)])
+                self._claim([*self._digests, *(rel for rel, _ in made), *self._old_names()])
                 for rel, p in sorted(made, key=lambda m: (m[0] == last, _is_marker(m[1].name), m[0])):
                     dest = self._dest(rel)
                     self._put.append(dest)
                     dest.fs.put_file(str(p), dest.path)
+            written = {put.path for put in self._put}
+            for key in self._old:  # the previous output's files the new one did not replace
+                if key not in written:
+                    self.root.fs.rm_file(key)
             claim = self._dest(CLAIM_NAME)
             claim.fs.rm_file(claim.path)  # the manifest, put before the markers, lists every file now
         self._committed = True
@@ -382,7 +413,12 @@ class RemoteSink:
         if self._committed:
             return
         put, self._put = self._put, []
+        claim = self._dest(CLAIM_NAME)
+        # the previous output's files left (its markers gone) stay claimed, so --overwrite may clear them
+        keep_claim = bool(self._old_names()) and any(d.path == claim.path for d in put)
         for dest in sorted(put, key=lambda d: not self._is_marker(d.path)):
+            if keep_claim and dest.path == claim.path:
+                continue
             try:
                 dest.fs.rm_file(dest.path)
             except Exception:  # noqa: BLE001 - the original error is what the user needs

@@ -17,6 +17,7 @@ process crash, not a power cut, is the risk.
 from __future__ import annotations
 
 import fcntl
+import glob
 import os
 import shutil
 import uuid
@@ -163,7 +164,7 @@ class StagedOutput:
             self._lock_fd = None
 
     def _sweep_stale(self) -> None:
-        for p in self.dst.parent.glob(f".{self.dst.name}.reshard-*"):
+        for p in self.dst.parent.glob(f".{glob.escape(self.dst.name)}.reshard-*"):
             if p == self.lock:
                 continue
             pid = _pid_of(p.name)

@@ -8,8 +8,10 @@ torch's DCP reader, ``dcp.load`` on 3 gloo ranks and torch_checkpointing's own r
 
 from __future__ import annotations
 
+import json
 import pickle
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -391,3 +393,59 @@ def test_other_per_rank_folders_keep_their_format(tmp_path: Path) -> None:
         for name in names:
             torch.save({"w": torch.ones(2)}, folder / name)
         assert detect_format(folder).name == "torch-ranks", names
+
+
+# ------------------------------------------------- found by the adversarial review of 2026-11-28
+
+# --- torch_checkpointing reader: hostile metadata.pkl -----------------------------------------
+
+
+def _group(shape: list[int]) -> list[dict]:
+    return [{"ranks": (0,), "sharding_metadata": {"type": "DTensorShardingMetadata", "data": {
+        "global_shape": shape, "dtype": "torch.float32", "stride": [1] * len(shape),
+        "mesh_spec": {"device_type": "cpu", "mesh_shape": (1,), "mesh_data": (0,), "mesh_dim_names": None},
+        "placements": [{"type": "Replicate"}]}}}]
+
+
+def _tc_folder(folder: Path, items: dict, world: int = 1) -> Path:
+    folder.mkdir()
+    meta = {"version": "2.0", "world_size": world, "metadata": items}
+    (folder / "metadata.pkl").write_bytes(pickle.dumps(meta))
+    return folder
+
+
+def test_tc_items_whose_names_collide_are_refused(tmp_path: Path) -> None:
+    """Items 'model' (path x.y) and 'model.x' (path y) both make 'model.x.y': one tensor is
+    silently dropped (exit 0). torch_checkpointing allows no '.' in an item key."""
+    folder = _tc_folder(tmp_path / "tc", {
+        "model": {"nested_path_to_metadata": {json.dumps(["x", "y"]): _group([2])}, "rank_to_layout_info": {0: None}},
+        "model.x": {"nested_path_to_metadata": {json.dumps(["y"]): _group([3])}, "rank_to_layout_info": {0: None}}})
+    torch.save({"x": {"y": torch.ones(2)}}, folder / "model_0.pt")
+    torch.save({"y": torch.zeros(3)}, folder / "model.x_0.pt")
+    assert_one_line_error(run_cli("inspect", folder), "metadata.pkl")
+
+
+def test_tc_rank_keys_of_the_wrong_type_are_one_line(tmp_path: Path) -> None:
+    folder = _tc_folder(tmp_path / "tc", {
+        "model": {"nested_path_to_metadata": {json.dumps(["w"]): _group([2])},
+                  "rank_to_layout_info": {"0": None, 1: None}}}, world=2)  # a str key beside an int one
+    torch.save({"w": torch.ones(2)}, folder / "model_0.pt")
+    torch.save({"w": torch.ones(2)}, folder / "model_1.pt")
+    proc = run_cli("inspect", folder)
+    assert "internal error" not in proc.stderr, proc.stderr
+    assert_one_line_error(proc, "metadata.pkl", "rank_to_layout_info")
+
+
+def test_tc_a_huge_world_size_is_refused_not_allocated(tmp_path: Path) -> None:
+    """world_size 10**12 with two layouts: set(range(world_size)) is built before the layouts are
+    compared (hangs, then runs out of memory). Run under a 2 GiB address-space allowance."""
+    folder = _tc_folder(tmp_path / "tc", {
+        "model": {"nested_path_to_metadata": {json.dumps(["w"]): _group([2])}, "rank_to_layout_info": {0: None}}},
+        world=10**12)
+    torch.save({"w": torch.ones(2)}, folder / "model_0.pt")
+    code = ("import resource, sys, psutil\nimport reshard\nfrom reshard.core.errors import CorruptCheckpointError\n"
+            "limit = psutil.Process().memory_info().vms + (2 << 30)\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))\n"
+            "try:\n    reshard.inspect(sys.argv[1])\nexcept CorruptCheckpointError as e:\n    print('refused', e)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=HANG_GUARD)
+    assert proc.returncode == 0 and proc.stdout.startswith("refused"), proc.stderr[-500:]

@@ -27,8 +27,10 @@ import torch
 from reshard.formats.torch_checkpointing.write import TorchCheckpointingWriter
 
 import reshard
+from reshard.core.errors import ReshardError
 from tests.dist import HANG_GUARD, run_world
 from tests.formats.test_dcp_variants import assert_same
+from tests.test_cli import reshard as cli
 
 pytest.importorskip("torch_checkpointing")
 
@@ -358,7 +360,40 @@ def test_cli_offers_it_and_refuses_what_it_cannot_write(made: Path, tmp_path: Pa
     torch.save({"model": {"w": torch.ones(2)}, "optim": {"state": {"w": {"exp_avg": torch.ones(2)}}}, "a/b": 1},
                tmp_path / "slash.pt")
     assert_one_line_error(cli("convert", tmp_path / "slash.pt", tmp_path / "b", "--to", "torch-checkpointing"),
-                          "'a/b'", "no file name")
+                          "'a/b'", "does not take as an item")
     assert_one_line_error(cli("convert", made / "dcp", tmp_path / "c", "--to", "dcp", "--device-type", "cpu"),
                           "--device-type")
     assert not any((tmp_path / n).exists() for n in "abc")
+
+
+# ------------------------------------------------- found by the adversarial review of 2026-11-28
+
+# --- torch_checkpointing writer ---------------------------------------------------------------
+
+
+def test_tc_writer_names_items_as_torch_checkpointing_allows(tmp_path: Path) -> None:
+    """A top-level key 'lr.sched' becomes the item 'lr.sched' (file lr.sched_0.pt): torch_checkpointing's
+    load refuses the key ('keys must contain only alphanumeric characters, hyphens, and underscores')
+    and reshard refuses its own output. Either the conversion is refused, or its output reads back."""
+    torch.save({"model": {"w": torch.ones(2)}, "lr.sched": {"last_epoch": 3}}, tmp_path / "src.pt")
+    proc = cli("convert", tmp_path / "src.pt", tmp_path / "out", "--to", "torch-checkpointing")
+    if proc.returncode == 2:
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert cli("inspect", tmp_path / "out").returncode == 0, "reshard cannot read the folder it wrote"
+
+
+def test_tc_writer_does_not_resolve_an_ambiguous_layout_silently(tmp_path: Path) -> None:
+    """{'model': {...}, 'ema': {...}} is ambiguous (--only model refuses it, asking for --layout);
+    --to torch-checkpointing picks state-dict and nests everything in the item 'model': the
+    names read back as model.model.w and model.ema.w (exit 0, no notice)."""
+    torch.save({"model": {"w": torch.ones(2)}, "ema": {"w": torch.zeros(2)}}, tmp_path / "src.pt")
+    proc = cli("convert", tmp_path / "src.pt", tmp_path / "out", "--to", "torch-checkpointing")
+    if proc.returncode == 2:
+        assert "ambiguous" in proc.stderr
+        return
+    try:
+        names = set(reshard.inspect(tmp_path / "out").tensors)
+    except ReshardError as e:
+        pytest.fail(str(e))
+    assert names == {"model.w", "ema.w"}, names
