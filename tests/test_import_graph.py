@@ -3,7 +3,10 @@ functions too: a deferred import may save start-up time (torch, the CLI), never 
 
 The graph is read from the source (``ast``): ``import x``/``from x import y`` anywhere in a
 module, ``__import__``/``import_module`` calls with a literal name, not counting a module
-importing its own package's ``__init__`` (which every submodule import does anyway). Imports
+importing its own package's ``__init__`` (which every submodule import does anyway) when that
+package is of the module's layer or below: the root package ``reshard`` (the public API, the
+top layer) and any parent of a higher layer are counted, so ``import reshard`` in a command or
+``import reshard.formats`` in the registry is an upward import like any other. Imports
 under ``if TYPE_CHECKING:`` (annotations only) make no circle at run time and count only for
 the layering rule, where a type named is a dependency too.
 """
@@ -56,19 +59,27 @@ def _imported(module: str, path: Path, tree: ast.AST, annotations: bool) -> list
     return names
 
 
+def _edges(module: str, path: Path, tree: ast.AST, modules: dict[str, Path], annotations: bool) -> set[str]:
+    """The package's modules that ``tree`` (module ``module``'s source) imports: each imported
+    name trimmed to the module that holds it; its own package's ``__init__`` left out only
+    when that package is not of a higher layer (the root package, the public API, never is)."""
+    found = set()
+    for name in _imported(module, path, tree, annotations):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        own_package = (module.startswith(name + ".") and modules[name].name == "__init__.py"
+                       and layer_of(name) <= layer_of(module))
+        if name and name != module and not own_package:
+            found.add(name)
+    return found
+
+
 def import_graph(annotations: bool = False) -> dict[str, set[str]]:
     """Each module's imports of the package's modules; ``annotations``: those under ``if
     TYPE_CHECKING:`` too."""
     modules = _modules()
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for module, path in modules.items():
-        for name in _imported(module, path, ast.parse(path.read_text()), annotations):
-            while name and name not in modules:
-                name = name.rpartition(".")[0]
-            own_package = module.startswith(name + ".") and modules[name].name == "__init__.py"
-            if name and name != module and not own_package:
-                graph[module].add(name)
-    return graph
+    return {module: _edges(module, path, ast.parse(path.read_text()), modules, annotations)
+            for module, path in modules.items()}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -296,6 +307,43 @@ def test_the_layer_rule_sees_an_upward_import() -> None:
     assert upward_imports(graph) == [
         "reshard.core.sizes (data model) -> reshard.commands.convert (commands)",
         "reshard.pipeline.engine (pipeline) -> reshard.features.lora (features)"]
+
+
+def test_nothing_below_the_api_imports_the_root_package() -> None:
+    """``reshard`` (its ``__init__``) is the public API, the top layer: a command, the CLI, a
+    format or the training loop calls the module that defines what it needs, never the root
+    package (whose names are that module's, imported lazily)."""
+    graph = import_graph(annotations=True)
+    assert [m for m, names in graph.items() if "reshard" in names] == []
+    assert "reshard.core.version" in graph["reshard"], "the scan sees the root's own imports"
+
+
+def _planted(module: str, source: str) -> set[str]:
+    """The edges of ``module`` with ``source`` added to its own."""
+    modules = _modules()
+    path = modules[module]
+    tree = ast.parse(path.read_text() + "\n" + source)
+    return _edges(module, path, tree, modules, annotations=True)
+
+
+def test_the_layer_rule_sees_imports_of_the_root_and_of_a_higher_parent() -> None:
+    """Not a rubber stamp: ``import reshard`` in a function of a command and of the training
+    loop, ``from reshard import __version__`` in a format, and the registry importing its own
+    parent package (``reshard.formats``, a layer above it) are each an upward import; a module
+    importing its own package of the same layer (``reshard.core``) is not."""
+    graph = import_graph(annotations=True)
+    graph["reshard.commands.validate"] = _planted("reshard.commands.validate", "def f():\n    import reshard\n")
+    graph["reshard.train.loop"] = _planted("reshard.train.loop", "def f():\n    import reshard\n    reshard.inspect('x')\n")
+    graph["reshard.formats.dcp.metadata"] = _planted("reshard.formats.dcp.metadata", "from reshard import __version__\n")
+    graph["reshard.formats.registry"] = _planted("reshard.formats.registry", "import reshard.formats\n")
+    graph["reshard.core.sizes"] = _planted("reshard.core.sizes", "import reshard.core\nfrom reshard.core import errors\n")
+    assert upward_imports(graph) == [
+        "reshard.commands.validate (commands) -> reshard (public API)",
+        "reshard.formats.dcp.metadata (formats) -> reshard (public API)",
+        "reshard.formats.registry (format registry) -> reshard.formats (formats)",
+        "reshard.train.loop (sources and runtime) -> reshard (public API)"]
+    assert sorted(m for m, names in graph.items() if "reshard" in names) == [
+        "reshard.commands.validate", "reshard.formats.dcp.metadata", "reshard.train.loop"]
 
 
 def test_the_root_holds_only_the_api() -> None:

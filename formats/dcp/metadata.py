@@ -32,6 +32,7 @@ from reshard.core.dtypes import DType
 from reshard.core.errors import CorruptCheckpointError, NewerFormatError, ReshardError, UnsafeCheckpointError
 from reshard.core.gc_pause import paused_gc
 from reshard.core.torch_support import FLOOR, NEWEST_TESTED
+from reshard.core.version import __version__
 from reshard.safe_pickle.unpickler import safe_loads
 
 __all__ = ["StorageRecord", "ChunkTable", "DCPIndex", "NewerFormatError", "read_metadata_file", "DCP_VERSIONS"]
@@ -576,8 +577,6 @@ def _unpickled(meta_path: Path) -> Any:
 def _newer(meta_path: Path, what: str) -> NewerFormatError:
     """The refusal of a ``.metadata`` newer than reshard. DCP records no torch version, so the
     message names the newest torch reshard was tested with."""
-    from reshard import __version__
-
     return NewerFormatError(f"{meta_path}: {what}: written by a torch newer than reshard {__version__} supports "
                             f"(it reads DCP from torch {FLOOR} to {NEWEST_TESTED}); upgrade reshard (pip install -U reshard)")
 

@@ -99,7 +99,7 @@ def _emit_json(command: str, payload: dict[str, Any], *, compact: bool = False) 
 
 def _version(value: bool) -> None:
     if value:
-        from reshard import __version__
+        from reshard.core.version import __version__
 
         typer.echo(f"reshard {__version__}")
         raise typer.Exit()
@@ -124,10 +124,10 @@ def inspect(src: Src, given: Given) -> None:
 
     With --to-mesh, the answer for that mesh instead: the bytes each rank would hold (parameters, optimizer
     state), the imbalance, and the tensors that do not divide evenly, under the checkpoint's summary."""
-    import reshard
     from reshard.commands.inspect import catalog_header, catalog_json, catalog_table
+    from reshard.commands.inspect import inspect as inspect_checkpoint
 
-    catalog = reshard.inspect(src, options=given.build(SourceOptions))
+    catalog = inspect_checkpoint(src, options=given.build(SourceOptions))
     summary = None
     if given.to_mesh is not None:
         from reshard.pipeline.mesh_report import summarize_for_mesh
@@ -167,14 +167,14 @@ def convert(
     given: Given,
 ) -> None:
     """Convert a checkpoint to another format or mesh, streaming under --max-memory; bit-exact unless --dtype."""
-    import reshard
+    from reshard.commands.convert import convert as convert_checkpoint
     from reshard.core.sizes import format_size, plural
     from reshard.formats.options import ConvertOptions
     from reshard.pipeline.parallel import torchrun_group
 
     options = given.build(ConvertOptions, quiet=given.quiet or given.as_json)
     with torchrun_group() as rank:  # under torchrun the ranks split the work; rank 0 reports
-        result = reshard.convert(src, dst, options=options)
+        result = convert_checkpoint(src, dst, options=options)
     if rank != 0:
         return
     if given.as_json:
@@ -207,7 +207,7 @@ def verify(
 
     Exact by default (names, nesting, dtypes, bits; objects by type and value); --atol/--rtol loosen floating
     and complex values only. With --quick DIR: check every file of a folder reshard wrote against its manifest."""
-    import reshard
+    from reshard.commands.verify import verify as verify_checkpoints
 
     quick = given.quick
     if quick:
@@ -219,7 +219,7 @@ def verify(
     elif b is None:
         raise UsageError("verify needs two checkpoints: reshard verify A B (or one folder: reshard verify --quick DIR)")
     else:
-        result = reshard.verify(a, b, **given.kwargs(reshard.verify, progress=not (given.quiet or given.as_json),
+        result = verify_checkpoints(a, b, **given.kwargs(verify_checkpoints, progress=not (given.quiet or given.as_json),
                                                      options=given.build(SourceOptions)))
     if given.as_json:
         _emit_json("verify", {**result.to_json(), "quick": quick})

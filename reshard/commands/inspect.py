@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import html as h
 import json
+import os
 import re
 import uuid
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from reshard.core.catalog import Catalog
+from reshard.core.catalog import Catalog, ObjectTable
 from reshard.core.conventions import AmbiguousLayoutError, detect_layout
 from reshard.core.dtypes import dtype_name
 from reshard.core.gc_pause import without_gc
@@ -20,8 +21,11 @@ from reshard.core.sizes import format_size, plural
 from reshard.features.dequantize import find_quantized
 from reshard.pipeline.mesh_report import mesh_table
 
-__all__ = ["CatalogReport", "catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr", "dry_run_table",
-           "format_name", "summary_line"]
+if TYPE_CHECKING:
+    from reshard.pipeline.options import SourceOptions
+
+__all__ = ["inspect", "CatalogReport", "catalog_json", "compact_json", "ChunkBoxesText", "catalog_table", "catalog_repr",
+           "dry_run_table", "format_name", "summary_line"]
 
 
 def _jsonable(value: Any) -> Any:
@@ -266,3 +270,44 @@ class CatalogReport(Catalog):
 
     def _repr_html_(self) -> str:
         return catalog_repr(self, html=True)
+
+
+def inspect(path: str | os.PathLike, *, options: SourceOptions | None = None, layout: str | None = None,
+            storage_options: dict[str, Any] | None = None, source_options: SourceOptions | None = None) -> Catalog:
+    """The catalog of checkpoint ``path`` (a path, a zarr URL, or a Hub repo id as ``convert``
+    takes them): every tensor's shape, dtype and chunks, and the objects. Reads metadata only,
+    never tensor data, and does not import torch: a tensor's ``dtype`` is a
+    ``reshard.core.dtypes.DType`` (torch's name and width; ``.torch`` gives torch's dtype).
+    ``layout`` names the tool whose conventions the checkpoint follows when detection gets it
+    wrong (``reshard.core.conventions``); ``storage_options`` are fsspec arguments for a URL.
+    ``options`` (a ``SourceOptions``; ``source_options=`` is its former name) gives these and
+    the rest of how a source is read as one value: ``allow_classes`` also holds for the
+    catalog's objects read later, ``config`` says what model it is, and ``keymap`` shows the
+    names it renames them to.
+
+    >>> cat = reshard.inspect("ckpt/")
+    >>> cat                      # a one-screen summary; print(cat.table()) for every tensor
+    >>> cat.tensors["model.embed.weight"].dtype.torch is torch.bfloat16
+    """
+    from reshard.pipeline.options import SourceOptions, former_keyword
+    from reshard.sources.reading import given_config, given_layout, read_catalog
+
+    given = {k: v for k, v in (("layout", layout), ("storage_options", storage_options)) if v is not None}
+    opts = SourceOptions.of(given, former_keyword("reshard.inspect", "source_options", "options", source_options, options))
+    with opts.allowing():
+        catalog = given_config(given_layout(read_catalog(path, opts), opts.layout), opts.config)
+        if opts.keymap is not None:
+            from reshard.features.keymap.lookup import load_keymap
+
+            catalog = load_keymap(opts.keymap).apply(catalog)
+    if opts.allow_classes:  # objects are read when first asked for: the allowance goes with them
+        catalog.objects = ObjectTable({name: _allowing(opts, catalog.objects, name) for name in catalog.objects})
+    return CatalogReport.of(catalog)
+
+
+def _allowing(opts: SourceOptions, objects: Any, name: str) -> Any:
+    """A loader of ``objects[name]`` that reads it with ``opts.allow_classes`` allowed."""
+    def load() -> Any:
+        with opts.allowing():
+            return objects[name]
+    return load

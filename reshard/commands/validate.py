@@ -87,16 +87,16 @@ def _route(name: str, from_mesh: str, to_mesh: str) -> str:
 def convert_path(name: str, ckpt: Path, workdir: Path, to_mesh: str) -> list[Path]:
     """Run path ``name``'s conversions of ``ckpt`` into ``workdir``; the outputs in order, the
     last one being the DCP checkpoint to resume from. (Tests replace this to break a path.)"""
-    import reshard
+    from reshard.commands.convert import convert
 
     if name == "dcp":
         out = workdir / f"dcp_{to_mesh}"
-        reshard.convert(ckpt, out, to="dcp", to_mesh=to_mesh, quiet=True)
+        convert(ckpt, out, to="dcp", to_mesh=to_mesh, quiet=True)
         return [out]
     mid = workdir / f"{name}{default_suffix(name)}"
-    reshard.convert(ckpt, mid, to=name, quiet=True)
+    convert(ckpt, mid, to=name, quiet=True)
     back = workdir / f"{name}_back"
-    reshard.convert(mid, back, to="dcp", quiet=True)
+    convert(mid, back, to="dcp", quiet=True)
     return [mid, back]
 
 
@@ -113,7 +113,7 @@ def _available(name: str) -> str | None:
 
 
 def _convert_and_verify(row: PathResult, ckpt: Path, workdir: Path, to_mesh: str) -> Path | None:
-    import reshard
+    from reshard.commands.verify import verify
 
     if (why := _available(row.name)) is not None:
         row.status, row.detail = "unavailable", why
@@ -121,7 +121,7 @@ def _convert_and_verify(row: PathResult, ckpt: Path, workdir: Path, to_mesh: str
     try:
         outputs = convert_path(row.name, ckpt, workdir, to_mesh)
         for out in outputs:
-            check = reshard.verify(ckpt, out)
+            check = verify(ckpt, out)
             if not check.equal:
                 row.converted_exact = False
                 d = check.differences[0]

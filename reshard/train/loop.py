@@ -159,12 +159,12 @@ def _build(model_cfg: ModelConfig, cfg: TrainConfig, mesh: Any, device: torch.de
 def _source_config(source: Path, fallback: ModelConfig) -> tuple[ModelConfig, dict[str, Any], bool]:
     """(model config, train objects, whether the source holds optimizer state), read by rank 0
     from the source's metadata only and shared with every rank."""
-    import reshard
+    from reshard.sources.reading import read_catalog
 
     box: list[Any] = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            catalog = reshard.inspect(source)
+            catalog = read_catalog(source)
             box[0] = (train_objects(catalog.objects), any(n.startswith("optim.") for n in catalog.tensors))
         except Exception as e:  # every rank must learn of it, or the others wait forever
             box[0] = e
@@ -188,9 +188,9 @@ def _resume(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.opt
             source: Path, train_state: dict[str, Any], has_optim: bool, cfg: TrainConfig) -> tuple[int, int]:
     """Load ``source`` into the sharded model (and optimizer); the (step, data position) to go on from.
     Weights without optimizer state start a new run from those weights, at step 0."""
-    import reshard
+    from reshard.runtime.load import load_model
 
-    reshard.load_model(model, source, opt if has_optim else None, keymap=cfg.keymap, progress=False)
+    load_model(model, source, opt if has_optim else None, keymap=cfg.keymap, progress=False)
     if not has_optim:
         if cfg.log:
             _say(f"loaded weights from {source}; no optimizer state in it: new AdamW, schedule and data from step 0")
