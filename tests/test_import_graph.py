@@ -258,15 +258,18 @@ def test_the_library_prints_nothing() -> None:
 
 # The layers, bottom first: a module may import its own layer and those below, never above.
 # ``reshard.formats.registry`` is the seam: the features and everything above ask it what a
-# format can do, and a format (a layer above the features: the HF writer runs the architecture
-# check) is reached only through it. Annotations count: a type named is a dependency too.
+# format can do, and a format is reached only through it. A format imports only the data
+# model, safe unpickling, the pipeline and the registry: what the HF writer needs of the
+# features (the architecture check) reaches it through the registry entry's ``prepare`` step
+# (the export records the check in the target's facts). Annotations count: a type named is a
+# dependency too.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("data model", ("reshard.core",)),
     ("safe unpickling", ("reshard.safe_pickle",)),
     ("pipeline", ("reshard.pipeline",)),
     ("format registry", ("reshard.formats.registry", "reshard.formats.options")),
-    ("features", ("reshard.features",)),
     ("formats", ("reshard.formats",)),
+    ("features", ("reshard.features",)),
     ("sources and runtime", ("reshard.sources", "reshard.runtime", "reshard.train")),
     ("commands", ("reshard.commands",)),
     ("command line", ("reshard.cli",)),
@@ -344,6 +347,37 @@ def test_the_layer_rule_sees_imports_of_the_root_and_of_a_higher_parent() -> Non
         "reshard.train.loop (sources and runtime) -> reshard (public API)"]
     assert sorted(m for m, names in graph.items() if "reshard" in names) == [
         "reshard.commands.validate", "reshard.formats.dcp.metadata", "reshard.train.loop"]
+
+
+FORMATS_BUILD_ON = ("reshard.core", "reshard.safe_pickle", "reshard.pipeline", "reshard.formats")
+
+
+def format_imports_above_the_pipeline(graph: dict[str, set[str]]) -> list[str]:
+    """``format module -> module`` for each import by a format of anything but the data model,
+    safe unpickling, the pipeline and the formats (the registry among them)."""
+    return sorted(f"{m} -> {n}" for m, names in graph.items() if m.startswith("reshard.formats.")
+                  for n in names if not any(n == p or n.startswith(p + ".") for p in FORMATS_BUILD_ON))
+
+
+def test_formats_import_only_the_core_safe_pickle_the_pipeline_and_the_registry() -> None:
+    graph = import_graph(annotations=True)
+    assert format_imports_above_the_pipeline(graph) == []
+    assert {"reshard.core.dtypes", "reshard.formats.safetensors.format"} <= graph["reshard.formats.hf.files"] | graph[
+        "reshard.formats.hf.format"], "the scan sees the HF writer's imports"
+
+
+def test_the_rules_see_a_format_importing_a_feature_or_the_root() -> None:
+    """Not a rubber stamp: the HF writer importing the architecture check (as it did, in a
+    function here) and a DCP module importing the root package for its version are found,
+    by this rule and by the layers."""
+    graph = import_graph(annotations=True)
+    graph["reshard.formats.hf.format"] = _planted(
+        "reshard.formats.hf.format", "def f():\n    from reshard.features.architecture import require_architecture\n")
+    graph["reshard.formats.dcp.metadata"] = _planted("reshard.formats.dcp.metadata", "from reshard import __version__\n")
+    assert format_imports_above_the_pipeline(graph) == ["reshard.formats.dcp.metadata -> reshard",
+                                                        "reshard.formats.hf.format -> reshard.features.architecture"]
+    assert upward_imports(graph) == ["reshard.formats.dcp.metadata (formats) -> reshard (public API)",
+                                     "reshard.formats.hf.format (formats) -> reshard.features.architecture (features)"]
 
 
 def test_the_root_holds_only_the_api() -> None:

@@ -14,9 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from reshard.core.dtypes import DType
+from reshard.core.dtypes import COMPUTE_DTYPES, DType
 from reshard.core.target import Target
-from reshard.features.architecture import COMPUTE_DTYPES
 
 __all__ = ["with_dtype", "model_card", "write_json", "compute_dtype", "export_config"]
 

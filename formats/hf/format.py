@@ -1,7 +1,8 @@
 """``--to hf``: a folder transformers' ``from_pretrained`` loads as is.
 
 The catalog it is written from is the core's export step (``reshard.features.hf_export``, the registry
-entry's ``prepare``: model tensors under HF names, config, side files). Here:
+entry's ``prepare``: model tensors under HF names, config, side files, and the check to run before
+writing, the ``hf_check`` fact: this package imports no feature). Here:
 
 * ``HFWriter`` is the safetensors writer with the Hub's conventions: ``model.safetensors`` or
    ``model-0000i-of-0000n.safetensors`` shards of ``--max-shard-size`` (5GB by default) with
@@ -25,8 +26,6 @@ from reshard.core.pieces import OutputFile
 from reshard.core.sizes import parse_size
 from reshard.core.storage import RemotePath
 from reshard.core.target import Target
-from reshard.features.architecture import require_architecture
-from reshard.features.hf_options import ARCHITECTURE_CHECK
 from reshard.pipeline.options import WriterOptions, shard_bytes
 
 __all__ = ["HFFormat", "HFWriter"]
@@ -46,34 +45,30 @@ class HFFormat:
         return SafetensorsFormat().read(path)
 
     def writer(self, dst: Path | str, options: WriterOptions | None = None) -> HFWriter:
-        options = options or WriterOptions()
-        return HFWriter(dst, max_shard_size=shard_bytes(options), architecture_check=options.value(ARCHITECTURE_CHECK))
+        return HFWriter(dst, max_shard_size=shard_bytes(options or WriterOptions()))
 
 
 class HFWriter(SafetensorsWriter):
     """Safetensors shards as ``save_pretrained`` names them, plus the folder's side files.
 
-    Before any file is laid out, the tensors are checked against the model config.json
-    describes (``reshard.features.architecture``): an export that would load as another, partial or
-    random model is refused, unless ``architecture_check`` is off, which the model card says."""
+    Before any file is laid out, the tensors go through the check the export step recorded
+    (``target.facts.hf_check``: against the model config.json describes,
+    ``reshard.features.architecture``): an export that would load as another, partial or random
+    model is refused, unless the check was turned off, which the model card says."""
 
-    def __init__(self, dst: Path | str, *, max_shard_size: int | None = None, architecture_check: bool = True) -> None:
+    def __init__(self, dst: Path | str, *, max_shard_size: int | None = None) -> None:
         super().__init__(dst, max_shard_size=max_shard_size or parse_size(_HUB_SHARD_SIZE))
         self.dst = Path(dst)
-        self.architecture_check = architecture_check
         self.checked: str | None = None  # the check's notice, once layout has run it
 
     def layout(self, target: Target) -> list[OutputFile]:
-        if target.facts.hf_source is None:
+        check = target.facts.hf_check
+        if target.facts.hf_source is None or check is None:
             raise UsageError("--to hf output must be prepared by reshard.features.hf_export.export_catalog (use reshard.convert)")
         config = export_config(target)
-        if config is None:  # --weights-only: no config.json, no model to check against
-            self.checked = None
-        elif self.architecture_check:
-            self.checked = require_architecture(config, target.tensors, where=str(self.dst), action="write it",
-                                                source_name=lambda n: target.renamed_from.get(n, n))
-        else:
-            self.checked = f"not checked against an architecture ({ARCHITECTURE_CHECK.named})"
+        # --weights-only: no config.json, no model to check against
+        self.checked = None if config is None else check(config, target.tensors, str(self.dst),
+                                                          lambda n: target.renamed_from.get(n, n))
         return super().layout(target)
 
     def finish(self, staging: Path, target: Target, files: list[OutputFile]) -> None:

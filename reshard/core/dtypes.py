@@ -21,7 +21,7 @@ from reshard.core.errors import UnsupportedFormatError, UsageError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DType", "by_name", "of", "is_dtype", "parse_dtype", "dtype_name", "DTYPES"]
+__all__ = ["DType", "by_name", "of", "is_dtype", "parse_dtype", "dtype_name", "DTYPES", "COMPUTE_DTYPES"]
 
 
 @final
@@ -115,6 +115,10 @@ DTYPES: dict[str, DType] = {}
 for _name, _size, _kind, _aliases in _TABLE:
     DTYPES[_name] = DType(_name, _size, _kind)
     DTYPES.update({alias: DTYPES[_name] for alias in _aliases})
+
+# The floats a model computes in: what an HF config.json's ``dtype`` may say (float8 and packed
+# bytes are stored, never computed in).
+COMPUTE_DTYPES = tuple(DTYPES[n] for n in ("float16", "bfloat16", "float32", "float64"))
 
 
 def _is_torch_dtype(x: object) -> TypeGuard[torch.dtype]:

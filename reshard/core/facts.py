@@ -14,7 +14,7 @@ which are on-disk keys: renaming one is a format change.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar, overload
 
 __all__ = ["Facts"]
@@ -67,6 +67,10 @@ class Facts:
     hf_assets: _Fact[dict[str, Any]] = _Fact()
     hf_source: _Fact[str] = _Fact()
     hf_keymap: _Fact[str] = _Fact()  # the key map preset to HF names a reader recorded (Megatron's)
+    # the check the HF writer runs before laying out a file, as the export step recorded it:
+    # (config.json, tensors, where, a tensor's source name) -> its notice, or an error
+    # (``reshard.features.architecture.ExportCheck``)
+    hf_check: _Fact[Callable[[Mapping[str, Any], Mapping[str, Any], str, Callable[[str], str]], str]] = _Fact(persist=False)
     # how the source was sharded: its rank count, mesh ((shape) or {"shape", "names"}), its
     # dimension names and each tensor's placements
     source_world_size: _Fact[int] = _Fact(persist=False)

@@ -37,17 +37,16 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from reshard.core.dtypes import by_name
+from reshard.core.dtypes import COMPUTE_DTYPES
 from reshard.core.errors import CorruptCheckpointError, option
 from reshard.core.log import LOGGER
 from reshard.core.sizes import plural
 from reshard.features.hf_options import ARCHITECTURE_CHECK
 from reshard.pipeline.progress import status
 
-__all__ = ["ArchitectureCheck", "ArchitectureMismatchError", "check_architecture", "require_architecture", "COMPUTE_DTYPES",
-           "ModelFacts", "model_facts"]
+__all__ = ["ArchitectureCheck", "ArchitectureMismatchError", "check_architecture", "require_architecture", "ExportCheck",
+           "COMPUTE_DTYPES", "ModelFacts", "model_facts"]
 
-COMPUTE_DTYPES = tuple(by_name(n) for n in ("float16", "bfloat16", "float32", "float64"))
 _SHOWN = 3  # names shown per kind of problem
 
 
@@ -204,6 +203,23 @@ def require_architecture(config: Mapping[str, Any], tensors: Mapping[str, Any], 
             f"{fix or check.hint(source_name)}, "
             f"or pass {ARCHITECTURE_CHECK.named} to {action} anyway")
     return check.notice()
+
+
+@dataclass(frozen=True)
+class ExportCheck:
+    """The check the HF writer runs before it lays out a file, as the export step records it
+    (the ``hf_check`` fact: the writer, in ``formats/hf``, imports no feature): the tensors
+    against the model config.json describes, or, when ``enabled`` is off
+    (``--no-architecture-check``), the notice that says they were not checked. Called with
+    (config.json, tensors, where, the source's name of a tensor); returns the notice."""
+
+    enabled: bool = True
+
+    def __call__(self, config: Mapping[str, Any], tensors: Mapping[str, Any], where: str,
+                 source_name: Callable[[str], str]) -> str:
+        if not self.enabled:
+            return f"not checked against an architecture ({ARCHITECTURE_CHECK.named})"
+        return require_architecture(config, tensors, where=where, action="write it", source_name=source_name)
 
 
 @dataclass

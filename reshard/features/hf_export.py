@@ -32,7 +32,8 @@ from reshard.core.facts import Facts
 from reshard.core.json_file import read_json
 from reshard.core.sizes import plural
 from reshard.core.values import same_values
-from reshard.features.hf_options import HF_ASSETS, MERGE_LORA, WEIGHTS_ONLY
+from reshard.features.architecture import ExportCheck
+from reshard.features.hf_options import ARCHITECTURE_CHECK, HF_ASSETS, MERGE_LORA, WEIGHTS_ONLY
 from reshard.features.hub import hub_files
 from reshard.features.keymap.lookup import load_keymap
 from reshard.features.keymap.maps import titan_family
@@ -181,9 +182,11 @@ def _titan_names(layout: str, fqns: list[str], titan: Any) -> str | None:
 
 
 def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str | None = None,
-                   weights_only: bool = False) -> Catalog:
+                   weights_only: bool = False, architecture_check: bool = True) -> Catalog:
     """The catalog an HF folder is written from: HF names, model tensors only, config and the
-    side files (tokenizer, chat template, generation config) in its facts.
+    side files (tokenizer, chat template, generation config) in its facts, with the check its
+    writer runs before laying out a file (``ExportCheck``; ``architecture_check`` off: none,
+    said in the model card).
 
     The config comes from ``--config`` (already in ``catalog.facts``, see ``convert``), the HF
     folder the checkpoint came from, or the project's training config; with none, the export
@@ -233,7 +236,7 @@ def export_catalog(catalog: Catalog, *, max_memory: int = 1 << 30, assets: str |
     if weights_only:
         config, gen, files = None, None, {}
     facts = Facts(hf_config=config, hf_generation_config=gen, hf_notices=notices, hf_assets=files,
-                  hf_source=f"the {catalog.format} checkpoint `{catalog.path.name}`")
+                  hf_source=f"the {catalog.format} checkpoint `{catalog.path.name}`", hf_check=ExportCheck(architecture_check))
     return Catalog(catalog.format, catalog.path, tensors=tensors, facts=facts, notices=list(catalog.notices),
                    renamed_from=origin)
 
@@ -244,7 +247,7 @@ def prepare_hf(catalog: Catalog, opts: ConvertOptions, keep: DtypeKeep) -> tuple
     quantized when asked; ``keep`` learns the tensors whose dtype quantization decided."""
     assets, adapter, scheme = opts.value(HF_ASSETS), opts.value(MERGE_LORA), opts.value(QUANTIZE)
     catalog = export_catalog(catalog, max_memory=opts.budget, assets=None if assets is None else str(assets),
-                             weights_only=opts.value(WEIGHTS_ONLY))
+                             weights_only=opts.value(WEIGHTS_ONLY), architecture_check=opts.value(ARCHITECTURE_CHECK))
     if adapter is not None:  # W + scaling * (B @ A), computed as the weights stream (reshard.features.lora)
         from reshard.features.lora import merged  # each feature's modules only when asked (start-up)
 
