@@ -10,7 +10,6 @@ from reshard.core.lazy import lazy_exports
 _EXPORTS = {
     "HFBinFormat": "reshard.formats.hf.bin",
     "HFFormat": "reshard.formats.hf.format",
-    "export_catalog": "reshard.formats.hf.format",
 }
 __all__ = list(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -4,8 +4,8 @@
 - ``meta``: ``zarr.json`` (dtype names, codecs, chunk keys)
 - ``grid``: chunk grids from target shards or a size
 - ``chunks``: raw and compressed chunks, decoded on read
-- ``store``: local folders and fsspec URLs
-- ``remote``: conversions from and to URLs (no rename: root ``zarr.json`` last)
+- ``store``: local folders and fsspec URLs (a URL output has no rename: the writer puts the root
+  ``zarr.json`` last)
 """
 
 from reshard.core.lazy import lazy_exports

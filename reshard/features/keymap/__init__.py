@@ -9,7 +9,9 @@ renames a catalog without reading data; its optimizer state follows every rename
 - ``megatron``: Megatron-Core GPT/Llama to HF
 - ``patterns``: name templates and their inverses
 - ``apply``: a key map applied to a catalog (routes, optimizer state)
-- ``chunks``: what a rename does to stored chunks (box arithmetic, row gathers)
+
+What a rename does to stored chunks (box arithmetic, row gathers) is the data model's:
+``reshard.core.chunk_reads``.
 """
 
 from reshard.core.lazy import lazy_exports
