@@ -31,7 +31,7 @@ from reshard.core.dtypes import DType
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorTable", "metadata_bytes", "write_metadata"]
+__all__ = ["TensorTable", "write_metadata"]
 
 _META = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -149,14 +149,6 @@ def _rename_globals(data: bytes) -> bytes:
     if f"{__name__}\n".encode() in data:
         raise ValueError("cannot write DCP metadata: a class reference was left unnamed")
     return data
-
-
-def metadata_bytes(tensors: TensorTable, objects: dict[str, tuple[str, int, int]],
-                   planner_data: Mapping[str, tuple], containers: dict[tuple, str] | None = None) -> bytes:
-    """``write_metadata`` into bytes."""
-    out = io.BytesIO()
-    write_metadata(out, tensors, objects, planner_data, containers)
-    return out.getvalue()
 
 
 def write_metadata(out: BinaryIO, tensors: TensorTable, objects: dict[str, tuple[str, int, int]],

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from reshard.formats.torch.zip import _TorchZipReader, materialize
+from reshard.formats.torch.zip import TorchZipReader, materialize
 from reshard.formats.torch.zip_index import ZipIndex
 
 from reshard.core.boxes import Box
@@ -192,7 +192,7 @@ class _ArchiveIndex(ZipIndex):
         return self._archive.read(offset, n)
 
 
-class _ArchiveReader(_TorchZipReader):
+class _ArchiveReader(TorchZipReader):
     """``torch.zip``'s reader over a decompressed archive: the same allow-list unpickler and
     checks; the regions it returns are offsets inside the archive, not the file."""
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["read_torch_zip", "read_torch_zip_deferred", "varying_spans", "load_object_blob", "materialize", "TorchPickle",
-           "StorageRef", "DTensorRef", "Record", "STORAGE_DTYPES"]
+           "TorchZipReader", "StorageRef", "DTensorRef", "Record", "STORAGE_DTYPES"]
 
 # The storage classes torch.save names in a tensor's persistent id (the usual dtypes' tensors
 # are rebuilt from them with no dtype global of their own).
@@ -297,7 +297,11 @@ class TorchPickle:
         return out
 
 
-class _TorchZipReader(TorchPickle):
+class TorchZipReader(TorchPickle):
+    """A torch.save zip archive at ``start`` (``length`` bytes) of an open file: its index, its
+    ``data.pkl`` and where each storage's bytes lie. A reader of archives held elsewhere (the
+    zstd-compressed records of ``formats/dcp/zstd.py``) subclasses it over its own index."""
+
     def __init__(self, path: Path, fd: Handle, start: int, length: int) -> None:
         self.path, self.fd, self.start, self.length = path, fd, start, length
         self.where = f"{path}" if start == 0 else f"{path} (bytes {start}..{start + length})"
@@ -366,14 +370,14 @@ def read_torch_zip_deferred(path: Path) -> Unpickled:
 
 
 @contextlib.contextmanager
-def _open_archive(path: Path, start: int, length: int | None) -> Iterator[_TorchZipReader]:
+def _open_archive(path: Path, start: int, length: int | None) -> Iterator[TorchZipReader]:
     fd = open_read(path)
     try:
         size = handle_size(fd)
         length = size - start if length is None else length
         if start + length > size:
             raise CorruptCheckpointError(f"{path}: expected {length} bytes at offset {start}, file has {size} (truncated?)")
-        yield _TorchZipReader(path, fd, start, length)
+        yield TorchZipReader(path, fd, start, length)
     finally:
         close(fd)
 

@@ -31,7 +31,7 @@ from reshard.core.errors import UsageError
 from reshard.core.log import log_notices
 from reshard.features.hf_options import ARCHITECTURE_CHECK
 from reshard.formats.registry import declared_options
-from reshard.pipeline.options import OutputOption
+from reshard.pipeline.options import FORMER_KEYWORDS_REMOVED_IN, OutputOption
 
 __all__ = ["Flag", "FLAGS", "TARGETS", "CLI_ONLY", "Given", "takes_flags", "refresh_flags", "flags_of", "debug_on"]
 
@@ -231,9 +231,12 @@ FLAGS: tuple[Flag, ...] = (
          value=_storage_options),
     Flag("debug", ("--debug",), bool, "Show the full traceback on errors, and debug detail.", _ALL, default=False,
          callback=_debug),
-    # Former spellings, hidden: still taken, with a notice naming the flag that means the same in every command.
-    Flag("former_mesh", ("--mesh",), Optional[str], "", ("train",), hidden=True, renames="to_mesh"),
-    Flag("former_model", ("--config",), Optional[str], "", ("train", "validate"), hidden=True, renames="model"),
+    # Former spellings, hidden: still taken until reshard 0.4 (FORMER_KEYWORDS_REMOVED_IN), with a notice naming
+    # the flag that means the same in every command and the release that removes the former one.
+    Flag("former_mesh", ("--mesh",), Optional[str], f"Former spelling of --to-mesh; removed in reshard "
+         f"{FORMER_KEYWORDS_REMOVED_IN}.", ("train",), hidden=True, renames="to_mesh"),
+    Flag("former_model", ("--config",), Optional[str], f"Former spelling of --model; removed in reshard "
+         f"{FORMER_KEYWORDS_REMOVED_IN}.", ("train", "validate"), hidden=True, renames="model"),
 )
 
 
@@ -319,7 +322,8 @@ def _take_former(former: Flag, now: Flag, values: dict[str, Any]) -> None:
     if current not in (None, now.default) and current != given:
         raise UsageError(f"{now.flag} {current} and {former.flag} {given} disagree; {former.flag} is {now.flag}'s former name")
     values[now.field] = given
-    log_notices([f"{former.flag} is now {now.flag} (one flag, one meaning in every command); {former.flag} will go"])
+    log_notices([f"{former.flag} is now {now.flag} (one flag, one meaning in every command); {former.flag} is removed "
+                 f"in reshard {FORMER_KEYWORDS_REMOVED_IN}"])
 
 
 def refresh_flags() -> None:

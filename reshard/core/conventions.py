@@ -120,7 +120,8 @@ CONVENTIONS: tuple[Convention, ...] = (
     Convention("state-dict", "a model's state_dict(): HF, PEFT, torch.save(model.state_dict())", "", None, "index", ()),
 )
 _BY_NAME = {c.name: c for c in CONVENTIONS}
-# Names layouts had before they were named after their writers: still taken by --layout.
+# Names layouts had before they were named after their writers: still taken by --layout, until
+# reshard 0.4 removes them (``reshard.pipeline.options.FORMER_KEYWORDS_REMOVED_IN``).
 _FORMER_NAMES = {"reshard": "torch-optim", "model": "state-dict"}
 _FALLBACK = "a model state dict: no other layout explains its names"  # the only reading: nothing to say
 _GIVEN, _RECORDED = "as given", "recorded by the checkpoint's reader"

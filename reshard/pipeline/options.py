@@ -51,7 +51,9 @@ def check_budget(max_memory: str | int, floor: int = 1) -> int:
     return budget
 
 # The release that stops taking the keywords renamed in 0.2 (mesh= is to_mesh=, source_options=
-# is options=): each former name's warning says it.
+# is options=), and the other former spellings kept meanwhile (the hidden --mesh and --config
+# flags of train and validate, reshard.cli.flags; the layouts' former names,
+# reshard.core.conventions): each former name's warning or notice says it.
 FORMER_KEYWORDS_REMOVED_IN = "0.4"
 
 
