@@ -1,7 +1,8 @@
 """torch.distributed.checkpoint folders: ``.metadata`` plus ``__R_N.distcp`` files.
 
 - ``format``: ``DCPFormat`` (reader) and ``DCPWriter``
-- ``metadata``: ``.metadata`` read through inert stand-ins into columnar chunk tables
+- ``metadata``: ``.metadata`` validated into columnar chunk tables
+- ``metadata_pickle``: ``.metadata`` unpickled through inert stand-ins of torch's DCP classes
 - ``metadata_write``: ``.metadata`` written without importing torch's DCP package
 - ``records``: what each record holds (archive, zstd frame, safetensors blob), checked first
 - ``ranks``: ``use_collectives=False`` folders (one metadata file per rank), merged

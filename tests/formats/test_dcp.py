@@ -176,11 +176,12 @@ def test_chunk_tables_at_once_equal_tables_one_by_one(fsdp2_dcp) -> None:
     records contradict its chunks, which it hands to ``table``'s general path."""
     import numpy as np
     from reshard.formats.dcp import metadata as M
+    from reshard.formats.dcp.metadata_pickle import TensorStorageMetadata, unpickled_metadata
 
     root = fsdp2_dcp[0]
-    meta = M._unpickled(root / ".metadata")
+    meta = unpickled_metadata(root / ".metadata")
     entries = [(name, list(md.chunks), len(md.size), name) for name, md in meta.state_dict_metadata.items()
-               if type(md) is M.TensorStorageMetadata]
+               if type(md) is TensorStorageMetadata]
     assert any(len(chunks) == 3 for _, chunks, _, _ in entries)
 
     def columns(t: M.ChunkTable) -> list:
