@@ -36,16 +36,17 @@ from reshard.core import errors
 from reshard.core import torch_compat as _torch_compat
 from reshard.core.catalog import Catalog, ObjectTable, object_loader
 from reshard.core.errors import ReshardError, UsageError
+from reshard.core.gc_pause import paused_gc
 from reshard.core.log import log_notices
 from reshard.core.sizes import format_size, plural, preview
-from reshard.features.keymap.lookup import load_keymap
 from reshard.formats.registry import detect_format, format_entry
 from reshard.pipeline.options import LOAD_MODES, LoadOptions
 from reshard.pipeline.parallel import world
 from reshard.pipeline.progress import Progress
 from reshard.runtime.load_plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
+from reshard.runtime.scatter import receive_boxes, send_boxes
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
-from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
+from reshard.runtime.transfer import read_local
 from reshard.sources.reading import given_config, given_layout
 
 __all__ = ["load_model", "load_state_dict", "LoadOptions", "LoadResult", "StateDictMismatchError", "MODES"]
@@ -100,14 +101,18 @@ def _what_i_see(source: Path) -> tuple | None:
         return None
 
 
-def _choose_mode(mode: str, source: Path, world: int) -> str:
+def _choose_mode(mode: str, source: Path, world: int, tied: list[tuple[str, ...]]) -> tuple[str, list[Any] | None]:
+    """The mode, and under ``auto`` every rank's ``tied`` names (gathered with what each rank
+    sees at ``source``: one collective, which ``parallel`` mode needs anyway)."""
     if world == 1 and not (dist.is_available() and dist.is_initialized()):
-        return "local"
+        return "local", None
     if mode != "auto":
-        return mode
-    seen: list[Any] = [None] * world
-    dist.all_gather_object(seen, _what_i_see(source))
-    return "parallel" if seen[0] is not None and all(s == seen[0] for s in seen) else "rank0"
+        return mode, None
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (_what_i_see(source), tied))
+    seen = [g[0] for g in gathered]
+    shared = seen[0] is not None and all(s == seen[0] for s in seen)
+    return ("parallel" if shared else "rank0"), [g[1] for g in gathered]
 
 
 _ERROR_TYPES = {c.__name__: c for c in [getattr(errors, n) for n in errors.__all__] + [StateDictMismatchError]}
@@ -139,6 +144,8 @@ def _read_catalog(source: Path, opts: LoadOptions) -> Catalog:
         catalog = _section_as_model(fmt.read(source), str(section))
     catalog = given_layout(given_config(catalog, opts.config), opts.layout)  # the config: head counts for a key map
     if opts.keymap is not None:
+        from reshard.features.keymap.lookup import load_keymap  # its tables are imported when a load renames
+
         catalog = load_keymap(opts.keymap).apply(catalog)
     return catalog
 
@@ -215,8 +222,9 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: Loa
     slab_bytes = max(1, opts.budget // 4)  # two send buffers plus the reads behind one
     slots = make_slots(state_dict)
     rank, size = world()
-    mode = _choose_mode(opts.mode, source, size)
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
+    _comm_device()  # under NCCL, this rank's GPU before the first collective
+    mode, tied = _choose_mode(opts.mode, source, size, mine[1])
     catalog: Catalog | None
     outcome: LoadPlan | tuple[str, str] | None  # the plan, or the error to raise on every rank
     if mode == "local":
@@ -224,13 +232,13 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: Loa
         plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes,
                               optimizer_groups=optimizer_groups)
         return _Load(source, mode, plan, slots, catalog)
-    _comm_device()
     if mode == "rank0":
         gathered: list[Any] | None = [None] * size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
     else:  # each rank plans only its own boxes; tied names still need everyone's view
-        tied: list[Any] = [None] * size
-        dist.all_gather_object(tied, mine[1])
+        if tied is None:
+            tied = [None] * size
+            dist.all_gather_object(tied, mine[1])
         gathered = [(mine[0], [a for t in tied for a in t])]
     catalog, outcome, failure = None, None, None
     if rank == 0 or mode == "parallel":
@@ -326,7 +334,7 @@ def load_state_dict(
     started = time.perf_counter()
     opts = _load_options(options, mode=mode, keymap=keymap, strict=strict, max_memory=max_memory, progress=progress,
                          layout=layout, config=config, section=section)
-    with opts.allowing():
+    with opts.allowing(), paused_gc():  # the catalog and plan make many objects and no cycles
         load = _prepare(state_dict, source, opts)
         return _said(_result(load, load.execute(opts.progress), started))
 
@@ -394,7 +402,7 @@ def load_model(
     started = time.perf_counter()
     opts = _load_options(options, mode=mode, keymap=keymap, strict=strict, max_memory=max_memory, progress=progress,
                          layout=layout, config=config, section=section)
-    with opts.allowing():
+    with opts.allowing(), paused_gc():
         return _load_model(model, source, optimizer, opts, started)
 
 

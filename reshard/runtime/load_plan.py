@@ -20,7 +20,7 @@ from reshard.core.boxes import Box, full_box
 from reshard.core.catalog import Catalog
 from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout, layout_notices
 from reshard.core.errors import CorruptCheckpointError, UsageError
-from reshard.pipeline.plan import sources_for
+from reshard.pipeline.plan import covered_elements
 from reshard.runtime.targets import SlotMeta
 
 __all__ = ["StateDictMismatchError", "TransferItem", "LoadPlan", "make_load_plan", "SECTIONS", "LIVE_STATE"]
@@ -278,7 +278,7 @@ def make_load_plan(
         entry = catalog.tensors[resolved[target]]
         boxes, broadcast = _boxes(target, metas)
         for box, _ in boxes:
-            covered = sum(s.box.numel for s in sources_for(entry, box))
+            covered = covered_elements(entry, box)
             if covered != box.numel:
                 raise CorruptCheckpointError(f"{source}: {entry.name!r} stores only {covered} of the {box.numel} "
                                              f"elements of box {box}; the checkpoint is incomplete")

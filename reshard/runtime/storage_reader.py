@@ -55,7 +55,7 @@ from reshard.core.errors import CorruptCheckpointError, ReshardError, UsageError
 from reshard.features.keymap.lookup import load_keymap
 from reshard.formats.registry import detect_format
 from reshard.pipeline.options import SourceOptions, check_budget
-from reshard.pipeline.plan import sources_for
+from reshard.pipeline.plan import covered_elements
 from reshard.runtime.transfer import OpenFiles, read_box
 from reshard.sources.reading import given_config, given_layout, local_path, read_catalog
 
@@ -229,7 +229,7 @@ class StorageReader(_TorchStorageReader):
                 continue
             name, box = self._box(item)
             entry = self.catalog.tensors[name]
-            covered = sum(s.box.numel for s in sources_for(entry, box))
+            covered = covered_elements(entry, box)
             if covered != box.numel:
                 raise CorruptCheckpointError(f"{self.catalog.path}: {name!r} stores only {covered} of the {box.numel} "
                                              f"elements of box {box}; the checkpoint is incomplete")
