@@ -18,7 +18,7 @@ from reshard.core.errors import CorruptCheckpointError
 from reshard.runtime import runs as runs_module
 from reshard.runtime.load_plan import LoadPlan, TransferItem
 from reshard.runtime.runs import RunReader, byte_view
-from reshard.runtime.scatter import messages
+from reshard.runtime.scatter import message_bytes, messages
 from tests.dist import run_world
 
 # ------------------------------------------------------------------------------- pure parts
@@ -65,35 +65,46 @@ def _item(name: str, shape: tuple[int, ...], dtype: torch.dtype, boxes: list[tup
     return TransferItem(name, name, shape, dtype, tuple(boxes), broadcast)
 
 
+def _cut(box: Box, cuts: tuple[int, ...]) -> list[Box]:
+    rows = [box.offsets[0], *[c for c in cuts if box.offsets[0] < c < box.ends[0]], box.ends[0]] if box.ndim else []
+    return [Box((a, *box.offsets[1:]), (b - a, *box.sizes[1:])) for a, b in zip(rows, rows[1:])] or [box]
+
+
 def test_messages_send_large_slabs_alone_and_pack_small_ones() -> None:
-    big = _item("big", (1000, 600), torch.float32, [(Box((0, 0), (500, 600)), (0,)), (Box((500, 0), (500, 600)), (1, 2))])
+    big = TransferItem("big", "big", (2000, 600), torch.float32, ((Box((0, 0), (1000, 600)), (0,)),
+                                                                 (Box((1000, 0), (1000, 600)), (1, 2))), False, (500, 1500))
     small = [_item(f"w{i}", (10, 3), torch.bfloat16 if i % 2 else torch.float32,
                    [(Box((0, 0), (5, 3)), (0,)), (Box((5, 0), (5, 3)), (1,))]) for i in range(5)]
     both = _item("rep", (7,), torch.float64, [(Box((0,), (7,)), (0, 1, 2))], broadcast=True)
     twice = _item("hsdp", (4, 4), torch.float32, [(Box((0, 0), (2, 4)), (0, 2)), (Box((2, 0), (2, 4)), (1, 3))])
     items = [small[0], big, *small[1:], both, twice]
-    for slab_bytes, alone in ((1 << 30, 1 << 20), (4096, 4096)):
+    for slab_bytes, alone in ((1 << 30, 1 << 20), (4096, 1024)):
         plan = LoadPlan(items, slab_bytes)
+        cap = message_bytes(plan)
+        assert cap == min(16 << 20, slab_bytes // 4)
         sent = list(messages(plan))
         assert sent == list(messages(plan))  # the same cut on every rank, every time
         slabs = [(p.item.target, p.slab, m.to) for m in sent for p in m.parts]
         want = [(i.target, s, None if i.broadcast else tuple(r for r in ranks if r)) for i in items
-                for box, ranks in i.boxes if ranks != (0,) for s in c_order_slabs(box, i.dtype.itemsize, slab_bytes)]
+                for box, ranks in i.boxes if ranks != (0,) for piece in _cut(box, i.cuts)
+                for s in c_order_slabs(piece, i.dtype.itemsize, cap)]
         assert sorted(slabs, key=repr) == sorted(want, key=repr)  # each slab once; rank 0's own never sent
         for m in sent:
             sizes = [p.nbytes for p in m.parts]
             assert all(p.at % 64 == 0 and p.at + p.nbytes <= m.nbytes for p in m.parts)
             assert len(m.parts) == 1 or max(sizes) < alone
-            assert m.nbytes <= max(max(sizes), min(16 << 20, slab_bytes))
-        if slab_bytes > alone:  # the five small ones to rank 1 in one message, the large one alone
+            assert m.nbytes <= cap
+        if slab_bytes == 1 << 30:  # the five small ones to rank 1 in one message, the large one alone
             packed = [m for m in sent if m.to == (1,)]
             assert [[p.item.target for p in m.parts] for m in packed] == [["w0", "w1", "w2", "w3", "w4"]]
-            assert [m.to for m in sent if m.parts[0].item.target == "big"] == [(1, 2)]
+            # cut where a stored chunk starts (row 1500): each piece one run of one file
+            assert [(m.to, m.parts[0].slab) for m in sent if m.parts[0].item.target == "big"] == [
+                ((1, 2), Box((1000, 0), (500, 600))), ((1, 2), Box((1500, 0), (500, 600)))]
 
 
 # ---------------------------------------------------------------------------- the worlds
 
-ROWS = 2003  # "big": 2003 x 300 fp32 over 2 ranks, 1.2 MB a box: sent alone, straight into place
+ROWS = 6003  # "big": 6003 x 300 fp32 saved by 3 ranks; rank 1's box on 2 ranks is two pieces of 1.2 and 2.4 MB
 
 
 def _values() -> dict[str, torch.Tensor]:
@@ -140,13 +151,21 @@ def _local_numel(t: torch.Tensor) -> int:
 def _load_every_way(rank: int, world: int, root: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
+    from reshard.runtime import scatter
+
+    mapped = []
+    real_map = scatter._SendBuffer.map
+    scatter._SendBuffer.map = lambda self, *a: mapped.append(a) or real_map(self, *a)  # type: ignore[method-assign]
     mesh = init_device_mesh("cpu", (world,))
     values = _values()
     for cast in (False, True):
         for mode in ("rank0", "parallel"):
-            for budget in ("1GiB", "4KiB"):
+            for budget in ("1GiB", "64KiB"):
+                mapped.clear()
                 state = _targets(mesh, cast)
                 res = reshard.load_state_dict(state, root, mode=mode, max_memory=budget)
+                if rank == 0 and mode == "rank0" and budget == "1GiB":  # "big"'s two pieces from the page cache
+                    assert [n for _, _, n in mapped] == [1000 * 300 * 4, 2001 * 300 * 4], mapped
                 assert res.mode == mode and res.missing == [] and res.unexpected == []
                 for k, t in state.items():
                     got = t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -156,6 +175,12 @@ def _load_every_way(rank: int, world: int, root: str) -> None:
                     assert res.bytes == mine, (cast, mode, budget, res.bytes, mine)
                 else:
                     assert res.bytes == sum(v.nbytes for v in values.values())
+    # A name tied to a stored one (the same memory, as tied embeddings are) loads with it.
+    for mode in ("rank0", "parallel"):
+        state = _targets(mesh, False)
+        state["head"] = state["w5"]
+        res = reshard.load_state_dict(state, root, mode=mode)
+        assert res.missing == [] and torch.equal(state["head"].full_tensor(), values["w5"]), mode
     dist.barrier()
 
 

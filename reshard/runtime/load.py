@@ -215,11 +215,19 @@ class _Load:
             bar.close()
 
 
+def _anyone(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank: one small all_reduce, where gathering objects is two
+    collectives and a pickle."""
+    t = torch.tensor([int(flag)], device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: LoadOptions,
              optimizer_groups: list[list[str]] | None = None) -> _Load:
     source = Path(source)
     strict = opts.strict
-    slab_bytes = max(1, opts.budget // 4)  # two send buffers plus the reads behind one
+    slab_bytes = max(1, opts.budget // 4)  # a slab's reads; rank 0's messages in flight (scatter) hold as much
     slots = make_slots(state_dict)
     rank, size = world()
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
@@ -238,8 +246,9 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: Loa
     else:  # each rank plans only its own boxes; tied names still need everyone's view
         if tied is None:
             tied = [None] * size
-            dist.all_gather_object(tied, mine[1])
-        gathered = [(mine[0], [a for t in tied for a in t])]
+            if _anyone(bool(mine[1])):
+                dist.all_gather_object(tied, mine[1])
+        gathered = [(mine[0], [a for t in tied if t for a in t])]
     catalog, outcome, failure = None, None, None
     if rank == 0 or mode == "parallel":
         try:
@@ -255,7 +264,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: Loa
         box = [outcome]
         dist.broadcast_object_list(box, src=0)
         outcome = box[0]
-    else:
+    elif _anyone(failure is not None):  # the errors themselves travel only when there is one
         outcomes: list[Any] = [None] * size
         dist.all_gather_object(outcomes, outcome if failure is not None else None)
         first = next((o for o in outcomes if o is not None), None)

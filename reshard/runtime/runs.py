@@ -68,9 +68,18 @@ class LocatedChunks:
         """The runs that fill ``into`` (``box.sizes``, the stored dtype, contiguous CPU memory)
         with ``box`` of ``entry``; None when ``into`` is not such memory, or some part of the
         box is not one run both of its stored chunk and of the box."""
+        view = byte_view(into) if into.dtype == entry.dtype.torch else None
+        parts = self.file_runs(entry, box) if view is not None else None
+        if view is None or parts is None:
+            return None
+        return [(f, offset, view[at:at + n]) for f, offset, at, n in parts]
+
+    def file_runs(self, entry: TensorEntry, box: Box) -> list[tuple[int, int, int, int]] | None:
+        """(file, offset in the file, offset in the box's C-order bytes, bytes) of each part of
+        ``box`` of ``entry``; None when a part is not one run both of its stored chunk and of
+        the box, or the stored chunks leave part of the box uncovered."""
         first = self._first.get(id(entry))
-        view = byte_view(into) if into.dtype == entry.dtype.torch and first is not None else None
-        if view is None or first is None:
+        if first is None:
             return None
         cols = self._columns.get(id(entry))
         if cols is None:
@@ -80,7 +89,7 @@ class LocatedChunks:
         lo = np.maximum(offsets, np.asarray(box.offsets, dtype=np.int64))
         hi = np.minimum(offsets + sizes, np.asarray(box.ends, dtype=np.int64))
         hits = np.flatnonzero((hi > lo).all(axis=1)) if box.ndim else np.arange(len(offsets))
-        out: list[Run] = []
+        out = []
         covered = 0
         for k in hits.tolist():
             f = int(self._file[first + k])
@@ -91,7 +100,7 @@ class LocatedChunks:
             dst = contiguous_range(part.shifted(box.offsets), box.sizes)
             if src is None or dst is None:
                 return None
-            out.append((f, int(self._start[first + k]) + src[0] * item, view[dst[0] * item:(dst[0] + src[1]) * item]))
+            out.append((f, int(self._start[first + k]) + src[0] * item, dst[0] * item, src[1] * item))
             covered += src[1]
         return out if covered == box.numel else None
 
