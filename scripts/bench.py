@@ -273,9 +273,9 @@ def run_table(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
 
 def run_load(src: Path, args: argparse.Namespace) -> int:
     """The runtime's side of the story: the same checkpoint loaded into live ranks, by
-    scripts/bench_load.py in its own process (it spawns its gloo worlds)."""
-    print("\n-- load into a live FSDP2 model + AdamW (scripts/bench_load.py) --", flush=True)
-    argv = [sys.executable, str(Path(__file__).with_name("bench_load.py")), "--ckpt", str(src),
+    scripts/bench_load_model.py in its own process (it spawns its gloo worlds)."""
+    print("\n-- load into a live FSDP2 model + AdamW (scripts/bench_load_model.py) --", flush=True)
+    argv = [sys.executable, str(Path(__file__).with_name("bench_load_model.py")), "--ckpt", str(src),
             "--size-mb", str(args.size_mb), "--max-memory", args.max_memory]
     return subprocess.run(argv, check=False).returncode
 
@@ -341,7 +341,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, default=None, help="also write the results as JSON here")
     ap.add_argument("--load", action=argparse.BooleanOptionalAction, default=True,
                     help="after the table, load the same checkpoint into a live FSDP2 model + AdamW on 3 ranks: "
-                         "reshard rank0 / parallel against torch's broadcast_from_rank0 (scripts/bench_load.py)")
+                         "reshard rank0 / parallel against torch's broadcast_from_rank0 (scripts/bench_load_model.py)")
     ap.add_argument("--strict", action="store_true", help="also exit 1 when an acceptance target is missed")
     args = ap.parse_args(argv)
     if args.repeats < 1:

@@ -32,7 +32,8 @@ Peers where one exists, written the way people do it today: torch loading the wh
 casting and saving it with ``dcp.save``; the same full load, a hand-written torchtitan ->
 HF rename with the experts split, and huggingface_hub's ``save_torch_state_dict`` (what
 torchtitan's converter does); and DeepSeek's own recipe, dequantizing one safetensors shard
-at a time. The runtime (``reshard.load_model``) has its own benchmark, scripts/bench_load.py.
+at a time. The runtime has its own benchmarks: scripts/bench_load.py (state dicts beside
+torch's dcp.load) and scripts/bench_load_model.py (``reshard.load_model``, FSDP2 + AdamW).
 
 Every row checks what it wrote (dtype and size of the output, files present), so a silent
 no-op fails the row.
@@ -577,8 +578,8 @@ def run_paths(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], 
     print("work = wall - wall(python -c 'import torch'); target: peak RSS above import torch; MiB/s: source MiB / work s\n")
     print_table(summary, _COLUMNS, width=34)
     print_checks(checks)
-    print("  INFO  runtime (reshard.load_model into live FSDP2 ranks): python scripts/bench_load.py "
-          "(its own rows and targets; also run at the end of the default bench.py table)")
+    print("  INFO  runtime: python scripts/bench_load.py (load_state_dict beside torch's dcp.load, its own targets) and "
+          "scripts/bench_load_model.py (load_model into FSDP2 + AdamW; run at the end of the default bench.py table)")
     failed = [m for m in results if m.required and not m.ok]
     for m in failed:
         print(f"\nreshard FAILED: {m.name}: {m.error}")

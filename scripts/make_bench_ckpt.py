@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 __all__ = ["LlamaDims", "solve_dims", "tensor_shapes", "ensure_checkpoint", "default_ckpt_path", "SavedTensor",
+           "model_state", "ensure_model_checkpoint",
            "save_world", "cached_build", "marker_path",
            "generator_args", "generate"]
 
@@ -129,6 +130,7 @@ class SavedTensor:
     path: tuple[str, ...]  # ("model", "layers.0.w"): state_dict["model"]["layers.0.w"]
     shape: tuple[int, ...]
     scale: float = 1.0
+    dtype: str = "float32"  # torch's name; drawn in fp32, then cast
 
 
 def llama_state(dims: LlamaDims) -> list[SavedTensor]:
@@ -166,11 +168,12 @@ def _save_rank(rank: int, world: int, store: str, out: str, spec: list[SavedTens
         mesh = init_device_mesh("cpu", (world,))
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
 
-        def shard(shape: tuple[int, ...], scale: float) -> DTensor:
+        def shard(shape: tuple[int, ...], scale: float, dtype: str) -> DTensor:
             _, rows = _shard_rows(shape[0], rank, world)
             local = torch.randn((rows, *shape[1:]), generator=gen)
             if scale != 1.0:
                 local.mul_(scale)
+            local = local.to(getattr(torch, dtype))
             return DTensor.from_local(
                 local, mesh, [Shard(0)], run_check=False,
                 shape=torch.Size(shape), stride=_contiguous_stride(shape),
@@ -181,7 +184,7 @@ def _save_rank(rank: int, world: int, store: str, out: str, spec: list[SavedTens
             node = state
             for key in t.path[:-1]:
                 node = node.setdefault(key, {})
-            node[t.path[-1]] = shard(t.shape, t.scale)
+            node[t.path[-1]] = shard(t.shape, t.scale, t.dtype)
         for key, value in objects.items():  # non-tensor sections (train_state, ...), the same on every rank
             state.setdefault(key, value)
         dcp.save(state, checkpoint_id=out)
@@ -278,6 +281,23 @@ def cached_build(out: Path, request: dict, build: Callable[[Path], dict], what: 
     if not quiet:
         print(f"made {out} ({on_disk / 2**20:.0f} MiB on disk) in {seconds:.1f}s", file=sys.stderr)
     return out
+
+
+def model_state(dims: LlamaDims, dtype: str = "float32") -> list[SavedTensor]:
+    """A model's parameters alone, at the top level under their FQNs (``dcp.save`` of a plain
+    model state dict, the names an HF-style safetensors folder of the same weights has)."""
+    return [SavedTensor((fqn,), shape, 0.02, dtype) for fqn, shape in tensor_shapes(dims).items()]
+
+
+def ensure_model_checkpoint(out: Path, dims: LlamaDims, dtype: str = "float32", seed: int = 0,
+                            timeout: float = 3600.0, quiet: bool = False) -> Path:
+    """``out`` holding ``model_state(dims, dtype)`` saved by ``WORLD_SIZE`` ranks, unless cached."""
+    def build(tmp: Path) -> dict:
+        save_world(tmp, model_state(dims, dtype), {}, seed, timeout)
+        return {"tensors": len(tensor_shapes(dims))}
+
+    request = {"dims": asdict(dims), "dtype": dtype, "ranks": WORLD_SIZE, "seed": seed, "version": GENERATOR_VERSION}
+    return cached_build(out, request, build, f"model checkpoint ({WORLD_SIZE} ranks, {dtype})", quiet)
 
 
 def _request(size_mb: float, seed: int) -> dict:

@@ -265,3 +265,52 @@ def test_meta_ckpt_matches_torch(scripts: Path) -> None:
 
     check(ranks=3, n_layers=2)
     check(ranks=2048, n_layers=1)  # empty pieces: records of their own, as torch writes them
+
+
+def _load_records(walls: dict[tuple[str, str, str], float], added: float = 10.0, checksum: float = 1.0) -> list[dict]:
+    return [{"cache": c, "round": 1, "source": s, "row": r, "wall_s": w, "added_mib": added, "over_shard_mib": added,
+             "checksum": checksum} for (c, s, r), w in walls.items()]
+
+
+def test_load_bench_targets(scripts: Path) -> None:
+    from bench_load import DCP, HF, PARALLEL, RANK0, READER, TORCH, checks, report, summarize
+
+    walls = {("warm", DCP, TORCH): 1.0, ("warm", DCP, PARALLEL): 0.7, ("warm", DCP, RANK0): 1.3,
+             ("warm", DCP, READER): 0.9, ("warm", HF, TORCH): 1.0, ("warm", HF, PARALLEL): 1.1,
+             ("warm", HF, RANK0): 2.5, ("cold", DCP, TORCH): 2.0, ("cold", DCP, PARALLEL): 2.2,
+             ("cold", HF, TORCH): 1.0, ("cold", HF, PARALLEL): 0.9}
+    by_n = {2: summarize(_load_records(walls)), 3: summarize(_load_records(walls, added=300.0, checksum=2.0)
+                                                            + _load_records({("warm", DCP, TORCH): 1.0}, checksum=3.0))}
+    verdict = {c["text"].rsplit(": ", 1)[0]: c["ok"] for c in checks(by_n, 256.0, big=True)}
+    assert verdict["warm, DCP onto 2 ranks: reshard.load_state_dict / dcp.load FileSystemReader"] is True  # 0.7 <= 0.8
+    assert verdict["warm, HF onto 2 ranks: reshard.load_state_dict / dcp.load HuggingFaceStorageReader"] is False
+    assert verdict["warm, DCP onto 2 ranks: rank0 mode / parallel mode"] is True  # 1.3 / 0.7
+    assert verdict["warm, HF onto 2 ranks: rank0 mode / parallel mode"] is False  # 2.5 / 1.1
+    assert verdict["warm, DCP onto 2 ranks: dcp.load reshard.StorageReader / dcp.load FileSystemReader"] is None
+    assert verdict["warm, DCP onto 3 ranks: reshard.load_state_dict / dcp.load FileSystemReader"] is None  # 2 ranks only
+    assert verdict["cold, DCP onto 2 ranks: reshard.load_state_dict / dcp.load FileSystemReader"] is False  # big: 1.1
+    assert verdict["cold, HF onto 3 ranks: reshard.load_state_dict / dcp.load HuggingFaceStorageReader"] is True
+    rss = {c["text"].split(":")[0]: c["ok"] for c in checks(by_n, 256.0, big=True) if "peak RSS" in c["text"]}
+    assert rss == {"2 ranks": True, "3 ranks": False}  # 300 MiB added > 256
+    same = [c for c in checks(by_n, 256.0, big=True) if "same values" in c["text"]]
+    assert [c["ok"] for c in same] == [True, False]  # 3 ranks: a round that loaded other values
+    assert "cold" not in " ".join(c["text"] for c in checks(by_n, 256.0, big=False) if c["ok"] is not None)
+    lines = report(by_n, {2: [1.0, 1.0], 3: [1.0, 1.0, 1.0]})
+    assert lines[0].startswith("row") and any(line.startswith("DCP dcp.load FileSystemReader") for line in lines)
+    assert any("0.70" in line and "reshard parallel" in line for line in lines)
+
+
+def test_load_bench_smoke(tmp_path: Path) -> None:
+    out_json = tmp_path / "load.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_load.py"), "--size-mb", "4", "--rounds", "1", "--nprocs", "2",
+         "--cache", "warm,cold", "--cache-dir", str(tmp_path / "cache"), "--json", str(out_json)],
+        capture_output=True, text=True, timeout=HANG_GUARD,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for needle in ("DCP saved by 4 ranks", "HF folder", "DCP dcp.load FileSystemReader", "HF reshard rank0",
+                   "HF dcp.load reshard.StorageReader", "load average", "cold, HF onto 2 ranks",
+                   "2 ranks: every row and round loaded the same values (1 distinct checksum)"):
+        assert needle in proc.stdout, f"{needle!r} missing from:\n{proc.stdout}"
+    report = json.loads(out_json.read_text())
+    assert len(report["records"]["2"]) == 16 and all(r["wall_s"] > 0 for r in report["records"]["2"])

@@ -328,3 +328,47 @@ def test_records_are_located_in_bulk_as_one_by_one(moe_dcp: Path, tmp_path: Path
             reshard.convert(ckpt, out, to_mesh="4", quiet=True)
             loaded = _torch_load(out)
             assert all(torch.equal(loaded[k], t) for k, (t, _) in _moe_state().items())
+
+
+def test_large_records_are_located_from_their_headers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records of megabytes are located in bulk too, reading only their zip headers, pickle
+    and trailer (not their payload); one whose pickle says another shape is refused as before."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from reshard.formats.dcp import locate
+    from reshard.formats.dcp.format import DCPFormat
+
+    import reshard
+    from reshard.core.errors import CorruptCheckpointError
+
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(200, 100, generator=g), "b": torch.randn(200, 100, generator=g),
+             "c": torch.randn(50, 40, generator=g).bfloat16(), "d": torch.randn(600, 100, generator=g)}
+    ckpt = tmp_path / "ckpt"
+    dcp.save(state, checkpoint_id=ckpt, no_dist=True)
+    asked = []
+    real = locate.read_into
+
+    def counted(fd, view, offset, path):  # type: ignore[no-untyped-def]
+        asked.append(view.nbytes)
+        return real(fd, view, offset, path)
+
+    monkeypatch.setattr(locate, "read_into", counted)
+    found = byte_runs.locate_chunks(list(DCPFormat().read(ckpt).tensors.values()))
+    one_by_one = [(r.path, r.offset) for e in DCPFormat().read(ckpt).tensors.values()
+                  for c in e.chunks if (r := as_region(c.data)) is not None]
+    assert (found.file >= 0).all()
+    assert [(found.paths[f], s) for f, s in zip(found.file.tolist(), found.start.tolist())] == one_by_one
+    assert 0 < sum(asked) < 16 << 10  # "b" against "a"'s pattern: headers and trailer, not 80 KB of payload
+
+    path = next(ckpt.glob("*.distcp"))
+    data = bytearray(path.read_bytes())
+    first = data.index(bytes([ord("K"), 200, ord("K"), 100, 0x86]))
+    second = data.index(bytes([ord("K"), 200, ord("K"), 100, 0x86]), first + 1)  # "b"'s pickle
+    data[second + 3] = 99
+    path.write_bytes(bytes(data))
+    entries = list(DCPFormat().read(ckpt).tensors.values())
+    found = byte_runs.locate_chunks(entries)
+    assert [e.name for e, f in zip(entries, found.file.tolist()) if f < 0] == ["b"]
+    with pytest.raises(CorruptCheckpointError, match=f"{path.name}.*metadata says"):
+        reshard.convert(ckpt, tmp_path / "out", to_mesh="2", quiet=True)

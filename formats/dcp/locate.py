@@ -8,8 +8,11 @@ in their payload, their CRC-32 fields and a per-save serialization id. So one ar
 kind is read as any other (``_LazyChunk``: checked against ``.metadata``), and every other
 record of that kind is compared with it byte for byte outside those spans, reading the
 records in large sequential blocks; each record equal to its pattern has its elements at the
-pattern's offset. A record that differs, is compressed or is too large to be worth reading
-whole is left to the one-at-a-time path, which reads (and refuses) it as before.
+pattern's offset. Only the bytes that must be equal are read: of a large record (a tensor
+of megabytes), its zip headers and pickle before the payload and its trailer after it, which
+for records laid end to end in a file are one read (one record's trailer, the next one's
+head). A record that differs or is compressed is left to the one-at-a-time path, which reads
+(and refuses) it as before.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from reshard.core.storage import RemotePath, close, open_read
 
 __all__ = ["TensorRecords", "RecordLocator"]
 
-_MAX_RECORD = 1 << 16  # larger records: the one-at-a-time path (their headers are a small part of their bytes)
 _BLOCK = 4 << 20  # bytes of a data file read at once (about) when comparing records
+_GAP = 4 << 10  # varying bytes up to this long between fixed ones are read with them, longer ones skipped
 _MISSES = 3  # patterns in a row that match no other record before the rest of a kind is left alone
 
 
@@ -81,7 +84,7 @@ class RecordLocator:
         for i, r in enumerate(records):  # what earlier reads found
             if r.located is not None:
                 start[bounds[i]:bounds[i + 1]] = r.located[r.row_numbers()]
-        todo = np.flatnonzero((start < 0) & (cols.length <= _MAX_RECORD) & (cols.kind >= 0))
+        todo = np.flatnonzero((start < 0) & (cols.kind >= 0))
         if len(todo) and not any(isinstance(p, RemotePath) for p in self.file_paths):
             for kind in np.unique(cols.kind[todo]).tolist():
                 rows = todo[cols.kind[todo] == kind]
@@ -109,63 +112,106 @@ class RecordLocator:
             if found is None:
                 misses += 1
                 continue
-            (pattern, fixed), data_at = found
-            out[first] = int(cols.start[rows[first]]) + data_at
+            out[first] = int(cols.start[rows[first]]) + found.data_at
             todo = np.flatnonzero(left)
-            same = todo[self._compare(cols, rows[todo], pattern, fixed)]
-            out[same] = cols.start[rows[same]] + data_at
+            same = todo[self._compare(cols, rows[todo], found)]
+            out[same] = cols.start[rows[same]] + found.data_at
             left[same] = False
             misses = 0 if len(same) else misses + 1
         return out
 
-    def _pattern(self, records: list[TensorRecords], cols: _Records, k: int
-                 ) -> tuple[tuple[np.ndarray, np.ndarray], int] | None:
-        """((record ``k``'s bytes, where another of its layout must equal them), where its
-        elements start in it), read as its lazy chunk would; None when it is not a plain
-        tensor record (or is refused: it will be again, when the one-by-one path reads it)."""
+    def _pattern(self, records: list[TensorRecords], cols: _Records, k: int) -> _Pattern | None:
+        """Record ``k``'s fixed bytes (where another of its layout must equal it) and where its
+        elements start in it, read as its lazy chunk would; None when it is not a plain tensor
+        record (or is refused: it will be again, when the one-by-one path reads it)."""
         owner, row = records[int(cols.owner[k])], int(cols.row[k])
         path, at, length = self.file_paths[int(cols.file[k])], int(cols.start[k]), int(cols.length[k])
         try:
             region = self._region(owner, row)
             if region is None or not region.is_contiguous:
                 return None
+            varying = varying_spans(path, at, length)
+            windows = _windows(varying, length)
             fd = open_read(path)
             try:
-                pattern = np.frombuffer(read_exact(fd, length, at, path), dtype=np.uint8)
+                data = [np.frombuffer(read_exact(fd, n, at + a, path), dtype=np.uint8) for a, n in windows]
             finally:
                 close(fd)
-            fixed = np.ones(length, dtype=bool)
-            for a, n in varying_spans(path, at, length):
-                fixed[a:a + n] = False
         except ReshardError:
             return None
-        return (pattern, fixed), region.offset - at
+        return _Pattern(windows, data, varying, region.offset - at)
 
-    def _compare(self, cols: _Records, rows: np.ndarray, pattern: np.ndarray, fixed: np.ndarray) -> np.ndarray:
-        """Which of ``rows`` equal ``pattern`` wherever ``fixed``: each data file read in
-        blocks, every record of a block compared in one array operation."""
+    def _compare(self, cols: _Records, rows: np.ndarray, pattern: _Pattern) -> np.ndarray:
+        """Which of ``rows`` equal ``pattern`` in its fixed bytes: each record's windows read
+        with their neighbours' (file order, gaps under ``_GAP`` read through) in spans of about
+        ``_BLOCK``, every record of a batch compared in one array operation per window."""
         same = np.zeros(len(rows), dtype=bool)
         if not len(rows):
             return same
-        length = len(pattern)
         order = np.lexsort((cols.start[rows], cols.file[rows]))
         file, start = cols.file[rows][order], cols.start[rows][order]
-        block = start // _BLOCK
-        cuts = np.flatnonzero((file[1:] != file[:-1]) | (block[1:] != block[:-1])) + 1
-        mask = fixed.astype(np.uint8) * 0xFF
-        want = pattern & mask
+        span = max(1, sum(n for _, n in pattern.windows))
+        per_batch = max(1, _BLOCK // span)
+        cuts = np.flatnonzero((file[1:] != file[:-1]) | (np.arange(1, len(file)) % per_batch == 0)) + 1
         for a, b in zip(np.r_[0, cuts].tolist(), np.r_[cuts, len(order)].tolist()):
-            path = self.file_paths[int(file[a])]
-            lo, hi = int(start[a]), int(start[b - 1]) + length
-            data = np.empty(hi - lo, dtype=np.uint8)
-            fd = open_read(path)
-            try:
-                read_into(fd, memoryview(data), lo, path)  # type: ignore[arg-type]  # numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
-            finally:
-                close(fd)
-            recs = np.lib.stride_tricks.sliding_window_view(data, length)[start[a:b] - lo]
-            same[order[a:b]] = ((recs & mask) == want).all(axis=1)
+            same[order[a:b]] = self._compare_batch(self.file_paths[int(file[a])], start[a:b], pattern)
         return same
+
+    def _compare_batch(self, path: Path, start: np.ndarray, pattern: _Pattern) -> np.ndarray:
+        """Records at ``start`` (sorted) of one file against ``pattern``."""
+        lo = (start[:, None] + np.array([a for a, _ in pattern.windows], dtype=np.int64)).reshape(-1)
+        hi = lo + np.tile(np.array([n for _, n in pattern.windows], dtype=np.int64), len(start))
+        if not len(lo):
+            return np.ones(len(start), dtype=bool)
+        new = np.r_[True, lo[1:] - hi[:-1] > _GAP]  # a read starts where the gap from the last window is long
+        first = np.flatnonzero(new)
+        read_lo, read_hi = np.minimum.reduceat(lo, first), np.maximum.reduceat(hi, first)
+        base = np.r_[0, np.cumsum(read_hi - read_lo)]
+        data = np.empty(int(base[-1]), dtype=np.uint8)
+        fd = open_read(path)
+        try:
+            for r0, r1, at in zip(read_lo.tolist(), read_hi.tolist(), base.tolist()):
+                read_into(fd, memoryview(data[at:at + r1 - r0]), r0, path)  # type: ignore[arg-type]  # numpy's stubs give an ndarray the buffer protocol on Python 3.12+ only
+        finally:
+            close(fd)
+        read = np.cumsum(new) - 1  # which read each window is in
+        where = (base[read] + lo - read_lo[read]).reshape(len(start), len(pattern.windows))
+        ok = np.ones(len(start), dtype=bool)
+        for at, want, mask in zip(where.T, pattern.want, pattern.mask):
+            # every window of len(want) bytes of data (no copy), then the rows the records start at
+            recs = np.lib.stride_tricks.as_strided(data, (len(data) - len(want) + 1, len(want)), (1, 1))[at]
+            ok &= ((recs & mask) == want).all(axis=1)
+        return ok
+
+
+class _Pattern:
+    """A record's bytes that others of its layout must equal: ``windows`` of it ((offset,
+    length), in order), each with its bytes where fixed (``want``, the ``varying`` spans
+    zeroed) and its ``mask`` (0xFF where fixed); ``data_at``: where its elements start in it."""
+
+    def __init__(self, windows: list[tuple[int, int]], data: list[np.ndarray], varying: list[tuple[int, int]],
+                 data_at: int) -> None:
+        self.windows, self.data_at = windows, data_at
+        self.mask = []
+        for at, n in windows:
+            mask = np.full(n, 0xFF, dtype=np.uint8)
+            for a, k in varying:
+                mask[max(0, a - at):max(0, min(n, a + k - at))] = 0
+            self.mask.append(mask)
+        self.want = [d & m for d, m in zip(data, self.mask)]
+
+
+def _windows(varying: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
+    """The parts of a record of ``length`` bytes worth reading to compare it: everything but
+    its ``varying`` spans (offset, length) of at least ``_GAP`` bytes (the tensor's payload)."""
+    out, at = [], 0
+    for a, n in sorted(s for s in varying if s[1] >= _GAP):
+        if a > at:
+            out.append((at, a - at))
+        at = max(at, a + n)
+    if at < length:
+        out.append((at, length - at))
+    return out
 
 
 def _columns(records: list[TensorRecords]) -> _Records:

@@ -37,7 +37,7 @@ from reshard.core.target import Target, TargetTensor
 from reshard.pipeline.byte_runs import Gathered, LayoutColumns, gather_plan
 
 __all__ = ["Plan", "PieceSources", "Source", "Casting", "DtypeKeep", "full_target", "make_plan", "model_section", "select",
-           "sources_for"]
+           "sources_for", "covered_elements"]
 
 
 @dataclass(frozen=True)
@@ -308,6 +308,15 @@ def sources_for(entry: TensorEntry, box: Box) -> list[Source]:
         if part is not None:
             out.append(Source(chunk, part))
     return out
+
+
+def covered_elements(entry: TensorEntry, box: Box) -> int:
+    """How many elements of ``box`` the stored chunks of ``entry`` hold (``box.numel`` when
+    they cover it: chunks do not overlap), from the chunks' boxes alone: no chunk is built."""
+    offsets, sizes = entry.columns
+    lo = np.maximum(offsets, np.asarray(box.offsets, dtype=np.int64))
+    hi = np.minimum(offsets + sizes, np.asarray(box.ends, dtype=np.int64))
+    return int(np.clip(hi - lo, 0, None).prod(axis=1).sum())
 
 
 def make_plan(catalog: Catalog, files: list[OutputFile]) -> Plan:

@@ -37,16 +37,17 @@ from reshard.core import torch_compat as _torch_compat
 from reshard.core.catalog import Catalog, ObjectTable, object_loader
 from reshard.core.dtypes import DType
 from reshard.core.errors import ReshardError, UsageError
+from reshard.core.gc_pause import paused_gc
 from reshard.core.log import log_notices
 from reshard.core.sizes import format_size, plural, preview
-from reshard.features.keymap.lookup import load_keymap
 from reshard.formats.registry import detect_format, format_entry
 from reshard.pipeline.options import LOAD_MODES, LoadOptions
 from reshard.pipeline.parallel import world
 from reshard.pipeline.progress import Progress
 from reshard.runtime.load_plan import LIVE_STATE, LoadPlan, StateDictMismatchError, make_load_plan
+from reshard.runtime.scatter import receive_boxes, send_boxes
 from reshard.runtime.targets import Slot, make_slots, storage_aliases
-from reshard.runtime.transfer import read_local, receive_boxes, send_boxes
+from reshard.runtime.transfer import read_local
 from reshard.safe_pickle.walk import find_in, replace_in
 from reshard.sources.reading import given_config, given_layout
 
@@ -103,14 +104,18 @@ def _what_i_see(source: Path) -> tuple | None:
         return None
 
 
-def _choose_mode(mode: str, source: Path, world: int) -> str:
+def _choose_mode(mode: str, source: Path, world: int, tied: list[tuple[str, ...]]) -> tuple[str, list[Any] | None]:
+    """The mode, and under ``auto`` every rank's ``tied`` names (gathered with what each rank
+    sees at ``source``: one collective, which ``parallel`` mode needs anyway)."""
     if world == 1 and not (dist.is_available() and dist.is_initialized()):
-        return "local"
+        return "local", None
     if mode != "auto":
-        return mode
-    seen: list[Any] = [None] * world
-    dist.all_gather_object(seen, _what_i_see(source))
-    return "parallel" if seen[0] is not None and all(s == seen[0] for s in seen) else "rank0"
+        return mode, None
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (_what_i_see(source), tied))
+    seen = [g[0] for g in gathered]
+    shared = seen[0] is not None and all(s == seen[0] for s in seen)
+    return ("parallel" if shared else "rank0"), [g[1] for g in gathered]
 
 
 _ERROR_TYPES = {c.__name__: c for c in [getattr(errors, n) for n in errors.__all__] + [StateDictMismatchError]}
@@ -142,6 +147,8 @@ def _read_catalog(source: Path, opts: LoadOptions) -> Catalog:
         catalog = _section_as_model(fmt.read(source), str(section))
     catalog = given_layout(given_config(catalog, opts.config), opts.layout)  # the config: head counts for a key map
     if opts.keymap is not None:
+        from reshard.features.keymap.lookup import load_keymap  # its tables are imported when a load renames
+
         catalog = load_keymap(opts.keymap).apply(catalog)
     return catalog
 
@@ -211,15 +218,24 @@ class _Load:
             bar.close()
 
 
+def _anyone(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank: one small all_reduce, where gathering objects is two
+    collectives and a pickle."""
+    t = torch.tensor([int(flag)], device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: LoadOptions,
              optimizer_groups: list[list[str]] | None = None) -> _Load:
     source = Path(source)
     strict = opts.strict
-    slab_bytes = max(1, opts.budget // 4)  # two send buffers plus the reads behind one
+    slab_bytes = max(1, opts.budget // 4)  # a slab's reads; rank 0's messages in flight (scatter) hold as much
     slots = make_slots(state_dict)
     rank, size = world()
-    mode = _choose_mode(opts.mode, source, size)
     mine = ({n: s.meta for n, s in slots.items()}, storage_aliases(slots))
+    _comm_device()  # under NCCL, this rank's GPU before the first collective
+    mode, tied = _choose_mode(opts.mode, source, size, mine[1])
     catalog: Catalog | None
     outcome: LoadPlan | tuple[str, str] | None  # the plan, or the error to raise on every rank
     if mode == "local":
@@ -227,14 +243,15 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: Loa
         plan = make_load_plan(catalog, [mine[0]], mine[1], strict=strict, slab_bytes=slab_bytes,
                               optimizer_groups=optimizer_groups)
         return _Load(source, mode, plan, slots, catalog)
-    _comm_device()
     if mode == "rank0":
         gathered: list[Any] | None = [None] * size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
     else:  # each rank plans only its own boxes; tied names still need everyone's view
-        tied: list[Any] = [None] * size
-        dist.all_gather_object(tied, mine[1])
-        gathered = [(mine[0], [a for t in tied for a in t])]
+        if tied is None:
+            tied = [None] * size
+            if _anyone(bool(mine[1])):
+                dist.all_gather_object(tied, mine[1])
+        gathered = [(mine[0], [a for t in tied if t for a in t])]
     catalog, outcome, failure = None, None, None
     if rank == 0 or mode == "parallel":
         try:
@@ -250,7 +267,7 @@ def _prepare(state_dict: Mapping[str, Any], source: str | os.PathLike, opts: Loa
         box = [outcome]
         dist.broadcast_object_list(box, src=0)
         outcome = box[0]
-    else:
+    elif _anyone(failure is not None):  # the errors themselves travel only when there is one
         outcomes: list[Any] = [None] * size
         dist.all_gather_object(outcomes, outcome if failure is not None else None)
         first = next((o for o in outcomes if o is not None), None)
@@ -339,7 +356,7 @@ def load_state_dict(
     started = time.perf_counter()
     opts = _load_options(options, mode=mode, keymap=keymap, strict=strict, max_memory=max_memory, progress=progress,
                          layout=layout, config=config, section=section)
-    with opts.allowing():
+    with opts.allowing(), paused_gc():  # the catalog and plan make many objects and no cycles
         load = _prepare(state_dict, source, opts)
         return _said(_result(load, load.execute(opts.progress), started))
 
@@ -407,7 +424,7 @@ def load_model(
     started = time.perf_counter()
     opts = _load_options(options, mode=mode, keymap=keymap, strict=strict, max_memory=max_memory, progress=progress,
                          layout=layout, config=config, section=section)
-    with opts.allowing():
+    with opts.allowing(), paused_gc():
         return _load_model(model, source, optimizer, opts, started)
 
 

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from reshard.core.boxes import Box, full_box
-from reshard.core.catalog import Catalog
+from reshard.core.catalog import Catalog, TensorEntry
 from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, detect_layout, layout_notices
 from reshard.core.errors import CorruptCheckpointError, UsageError
-from reshard.pipeline.plan import sources_for
+from reshard.pipeline.plan import covered_elements
 from reshard.runtime.targets import SlotMeta
 
 __all__ = ["StateDictMismatchError", "TransferItem", "LoadPlan", "make_load_plan", "SECTIONS", "LIVE_STATE"]
@@ -31,6 +31,7 @@ SECTIONS = ("model", "optim")
 # How load_model names the live optimizer state it asks for: optim.state.<fqn>.<key>.
 LIVE_STATE = "optim.state."
 _SHOWN = 5
+_CUTS = 256  # chunks of a tensor whose starts a plan carries (a plan is broadcast: its size counts)
 
 
 class StateDictMismatchError(UsageError):
@@ -47,6 +48,9 @@ class TransferItem:
     dtype: torch.dtype  # as stored: bytes travel in this dtype and are cast where they land
     boxes: tuple[tuple[Box, tuple[int, ...]], ...]  # each distinct non-empty box and the ranks holding it
     broadcast: bool  # every rank holds the whole tensor (plain tensors, Replicate())
+    # Where stored chunks start along dim 0 (0 left out; none for more than _CUTS chunks):
+    # rank 0 cuts what it sends there, so each piece lies as one run of one file.
+    cuts: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -209,6 +213,13 @@ def _index_fqns(catalog: Catalog, layout: Layout, live_groups: Sequence[Sequence
     return {str(i): fqn for g, fqns in enumerate(live_groups) for i, fqn in zip(saved[g], fqns)}
 
 
+def _cuts(entry: TensorEntry) -> tuple[int, ...]:
+    offsets, _ = entry.columns
+    if not entry.shape or not 1 < len(offsets) <= _CUTS:
+        return ()
+    return tuple(sorted(set(offsets[:, 0].tolist()) - {0}))
+
+
 def make_load_plan(
     catalog: Catalog,
     metas: Sequence[Mapping[str, SlotMeta]],
@@ -278,10 +289,10 @@ def make_load_plan(
         entry = catalog.tensors[resolved[target]]
         boxes, broadcast = _boxes(target, metas)
         for box, _ in boxes:
-            covered = sum(s.box.numel for s in sources_for(entry, box))
+            covered = covered_elements(entry, box)
             if covered != box.numel:
                 raise CorruptCheckpointError(f"{source}: {entry.name!r} stores only {covered} of the {box.numel} "
                                              f"elements of box {box}; the checkpoint is incomplete")
-        items.append(TransferItem(target, entry.name, entry.shape, entry.dtype.torch, boxes, broadcast))
+        items.append(TransferItem(target, entry.name, entry.shape, entry.dtype.torch, boxes, broadcast, _cuts(entry)))
     return LoadPlan(items, slab_bytes, missing, unexpected, dict(catalog.objects), group_values(catalog, layout),
                     notices)

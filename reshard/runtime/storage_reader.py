@@ -48,15 +48,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _TorchStorageReader
 from torch.futures import Future
 
-from reshard.core.boxes import Box, c_order_slabs
+from reshard.core.boxes import Box
 from reshard.core.catalog import Catalog
 from reshard.core.conventions import OPTIM_GROUP, OPTIM_STATE, PARAM, Layout, Place, convention_named, detect_layout
 from reshard.core.errors import CorruptCheckpointError, ReshardError, UsageError
 from reshard.features.keymap.lookup import load_keymap
 from reshard.formats.registry import detect_format
 from reshard.pipeline.options import SourceOptions, check_budget
-from reshard.pipeline.plan import sources_for
-from reshard.runtime.transfer import OpenFiles, read_box
+from reshard.pipeline.plan import covered_elements
+from reshard.runtime.runs import LocatedChunks
+from reshard.runtime.transfer import BoxReader
 from reshard.sources.reading import given_config, given_layout, local_path, read_catalog
 
 __all__ = ["StorageReader"]
@@ -167,7 +168,8 @@ class StorageReader(_TorchStorageReader):
     path or a dict); ``layout``, ``config``, ``allow_classes`` and ``storage_options`` are as in
     ``reshard.inspect``, or all of them as one ``options=SourceOptions(...)``. ``max_memory``
     bounds what one read holds beside its destination (a read that casts, or whose
-    destination is not one run of host memory, goes in slabs of at most this).
+    destination is not one run of host memory, goes in slabs of at most this) and how many
+    bytes of resolved tensors wait to be committed to the planner.
 
     A name of the caller's state dict is found as it is in the checkpoint, else as the same
     parameter, optimizer state or param-group value under the checkpoint's layout, whichever
@@ -229,7 +231,7 @@ class StorageReader(_TorchStorageReader):
                 continue
             name, box = self._box(item)
             entry = self.catalog.tensors[name]
-            covered = sum(s.box.numel for s in sources_for(entry, box))
+            covered = covered_elements(entry, box)
             if covered != box.numel:
                 raise CorruptCheckpointError(f"{self.catalog.path}: {name!r} stores only {covered} of the {box.numel} "
                                              f"elements of box {box}; the checkpoint is incomplete")
@@ -241,18 +243,30 @@ class StorageReader(_TorchStorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Every item of this rank's plan, in one pass over the source files (each opened once):
         a tensor's box read from the chunks that hold it straight into the tensor the planner
-        resolves (``reshard.runtime.transfer.read_box``, the reads ``load_state_dict`` makes),
-        an object as ``torch.save`` of the value reshard's safe unpickler built."""
-        files, self.bytes_read = OpenFiles(), 0
+        resolves, as ``load_state_dict`` reads (``reshard.runtime.transfer.BoxReader``: a box
+        that is runs of its files and of the tensor's memory by the kernel, with its
+        neighbours in one call; others slab by slab), committed once read (a budget's worth
+        at a time: a planner may resolve to tensors of its own); an object as ``torch.save``
+        of the value reshard's safe unpickler built."""
+        self.bytes_read = 0
+        tensors = [i for i in plan.items if i.type != LoadItemType.BYTE_IO]
+        reader = BoxReader(LocatedChunks(self.catalog.tensors[self._box(i)[0]] for i in tensors), self.slab_bytes)
+        read: list[tuple[ReadItem, torch.Tensor]] = []
         try:
             with self.options.allowing():
+                pending = 0
                 for item in plan.items:
                     if item.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(item, self._object_bytes(item))
-                    else:
-                        self._read_tensor(item, planner, files)
+                        continue
+                    read.append(self._read_tensor(item, planner, reader))
+                    pending += read[-1][1].nbytes
+                    if pending >= self.slab_bytes:
+                        _commit(reader, read, planner)
+                        pending = 0
+                _commit(reader, read, planner)
         finally:
-            files.close()
+            reader.close()
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -266,17 +280,14 @@ class StorageReader(_TorchStorageReader):
         origin = item.storage_index.offset or (0,) * len(item.lengths)  # the chunk the item is in: the whole tensor
         return name, Box(tuple(o + s for o, s in zip(origin, item.storage_offsets)), tuple(item.lengths))
 
-    def _read_tensor(self, item: ReadItem, planner: LoadPlanner, files: OpenFiles) -> None:
+    def _read_tensor(self, item: ReadItem, planner: LoadPlanner, reader: BoxReader) -> tuple[ReadItem, torch.Tensor]:
         name, box = self._box(item)
-        entry = self.catalog.tensors[name]
         target = planner.resolve_tensor(item).detach()
         if tuple(target.shape) != box.sizes:
             raise UsageError(f"{self.catalog.path}: {name!r}: the load planner resolved a tensor of shape "
                              f"{list(target.shape)} for a box of {list(box.sizes)}")
-        for slab in c_order_slabs(box, entry.dtype.itemsize, self.slab_bytes):
-            read_box(target[slab.shifted(box.offsets).as_slices()], slab, entry, files)
-        self.bytes_read += box.numel * entry.dtype.itemsize
-        planner.commit_tensor(item, target)
+        self.bytes_read += reader.add(self.catalog.tensors[name], target, box)
+        return item, target
 
     def _object_bytes(self, item: ReadItem) -> io.BytesIO:
         """The object as torch.save of its safe value: torch's planner unpickles what it is given
@@ -304,6 +315,14 @@ class StorageReader(_TorchStorageReader):
         except (ReshardError, OSError):
             return False
         return True
+
+
+def _commit(reader: BoxReader, read: list[tuple[ReadItem, torch.Tensor]], planner: LoadPlanner) -> None:
+    """The tensors of ``read`` filled (their runs read), handed to the planner, forgotten."""
+    reader.flush()
+    for item, target in read:
+        planner.commit_tensor(item, target)
+    read.clear()
 
 
 def _metadata(catalog: Catalog, names: _Names, path: str | os.PathLike) -> Metadata:

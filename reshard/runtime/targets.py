@@ -82,10 +82,13 @@ def _runs(index: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(int(index[a]), b - a, a) for a, b in zip(starts, ends)]
 
 
-def _dtensor_parts(name: str, t: DTensor) -> tuple[tuple[Box, ...], tuple[tuple[int, ...], ...], torch.Tensor]:
+def _dtensor_parts(name: str, t: DTensor, seen: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]]
+                   ) -> tuple[tuple[Box, ...], tuple[tuple[int, ...], ...], torch.Tensor]:
     """This rank's boxes of DTensor ``t``, where each starts in its local tensor, and the local
     tensor: one box for ``Shard(d)``/``Replicate()``; under ``_StridedShard`` (FSDP over TP)
-    one box per run of consecutive rows the rank holds, by torch's own index rule."""
+    one box per run of consecutive rows the rank holds, by torch's own index rule. ``seen``:
+    the boxes already worked out in this call, by shape, mesh and placements (a model's
+    tensors come in a few shapes)."""
     from torch.distributed.tensor import Replicate, Shard
 
     strided = _torch_compat.STRIDED_SHARD
@@ -98,7 +101,11 @@ def _dtensor_parts(name: str, t: DTensor) -> tuple[tuple[Box, ...], tuple[tuple[
             )
     local = t.to_local()
     if all(type(p) in (Shard, Replicate) for p in t.placements):
-        offsets, sizes = _torch_compat.dtensor_local_box(tuple(t.shape), t.device_mesh, tuple(t.placements))
+        key = (tuple(t.shape), t.device_mesh, tuple(t.placements))
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = _torch_compat.dtensor_local_box(*key)
+        offsets, sizes = found
         boxes: tuple[Box, ...] = (Box(offsets, sizes),)
         origins: tuple[tuple[int, ...], ...] = ((0,) * len(sizes),)
     else:
@@ -123,9 +130,10 @@ def make_slots(state_dict: Mapping[Any, Any]) -> dict[str, Slot]:
     from torch.distributed.tensor import DTensor
 
     slots = {}
+    seen: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     for name, t in flatten_state_dict(state_dict):
         if isinstance(t, DTensor):
-            boxes, origins, local = _dtensor_parts(name, t)
+            boxes, origins, local = _dtensor_parts(name, t, seen)
         else:
             boxes, origins, local = (full_box(tuple(t.shape)),), ((0,) * t.ndim,), t
             if t.numel() == 0:
