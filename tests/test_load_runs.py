@@ -60,6 +60,21 @@ def test_run_reader_joins_neighbours_reads_on_after_short_reads_and_refuses_a_sh
         reader.close()
 
 
+def test_a_send_from_the_page_cache_is_the_file_as_it_lies_and_refuses_a_short_file(tmp_path: Path) -> None:
+    from reshard.runtime.scatter import _SendBuffer
+
+    f = tmp_path / "data.bin"
+    data = bytes(range(256)) * 64
+    f.write_bytes(data)
+    buf = _SendBuffer(16, torch.device("cpu"))
+    sent = buf.map(f, 5000, 3000)  # not at a page boundary
+    assert bytes(sent.numpy()) == data[5000:8000]
+    buf.wait()  # the sends are done: the mapping goes once nothing holds it
+    with pytest.raises(CorruptCheckpointError, match=f"{f}: file ends at byte {len(data)}, expected data up to byte "
+                                                     f"{len(data) + 100}"):
+        buf.map(f, len(data) - 200, 300)
+
+
 def _item(name: str, shape: tuple[int, ...], dtype: torch.dtype, boxes: list[tuple[Box, tuple[int, ...]]],
           broadcast: bool = False) -> TransferItem:
     return TransferItem(name, name, shape, dtype, tuple(boxes), broadcast)

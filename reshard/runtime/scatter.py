@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from reshard.core.boxes import Box, c_order_slabs
 from reshard.core.catalog import TensorEntry
+from reshard.core.errors import CorruptCheckpointError
 from reshard.pipeline.progress import Progress
 from reshard.runtime.load_plan import LoadPlan, TransferItem
 from reshard.runtime.runs import LocatedChunks
@@ -148,6 +149,10 @@ class _SendBuffer:
         skip = offset % mmap.ALLOCATIONGRANULARITY
         fd = os.open(path, os.O_RDONLY)
         try:
+            size = os.fstat(fd).st_size
+            if offset + nbytes > size:  # a mapped page past the end would kill the process (SIGBUS), not raise
+                raise CorruptCheckpointError(f"{path}: file ends at byte {size}, expected data up to byte "
+                                             f"{offset + nbytes} (truncated?)")
             self.mapped = mmap.mmap(fd, nbytes + skip, prot=mmap.PROT_READ, offset=offset - skip, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
