@@ -15,21 +15,13 @@ import types
 from pathlib import Path
 
 from reshard.core.lazy import lazy_exports
+from tests.test_import_graph import _modules  # every module of reshard/ and formats/ by its import name
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ((ROOT / "reshard", "reshard"), (ROOT / "formats", "reshard.formats"))
 # "- ``name``: ..." and "- ``a``, ``b``: ...": the modules a package's docstring lists;
 # "; ``name``: ..." and "; ``name`` reads ...": more of them on the same line.
 _LISTED = re.compile(r"^- ((?:``\w+``(?:, )?)+)[: ]|; ``(\w+)``")
 
 
-def _modules() -> dict[str, Path]:
-    found = {}
-    for base, package in PACKAGES:
-        for path in base.rglob("*.py"):
-            parts = [package, *path.relative_to(base).with_suffix("").parts]
-            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
 
 
 def _has_all(path: Path) -> bool:
