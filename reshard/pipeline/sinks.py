@@ -311,18 +311,20 @@ class RemoteSink:
             raise OutputExistsError(f"{self.root} already holds {what}; pass {option('--overwrite', 'overwrite=True')} "
                                     "to replace it")
         if not one_file:
-            prefix = self.root.path.rstrip("/") + "/"
             manifest, claim = self._dest(MANIFEST_NAME), self._dest(CLAIM_NAME)
-            foreign = remote_foreign([k.removeprefix(prefix) for k in keys],
+            foreign = remote_foreign([self._relative(k) for k in keys],
                                      manifest.fs.cat_file(manifest.path) if manifest.path in keys else None,
                                      claim.fs.cat_file(claim.path) if claim.path in keys else None, manifest.url)
             if foreign:
                 raise refusal(self.root, foreign, "prefix")
         self._old, self._old_one_file = keys, one_file
 
+    def _relative(self, key: str) -> str:
+        """A store path under the URL, relative to it (as manifests and claims name files)."""
+        return key.removeprefix(self.root.path.rstrip("/") + "/")
+
     def _old_names(self) -> list[str]:
-        prefix = self.root.path.rstrip("/") + "/"
-        return [] if self._old_one_file else [k.removeprefix(prefix) for k in self._old]
+        return [] if self._old_one_file else [self._relative(k) for k in self._old]
 
     def _retire(self) -> None:
         """Before the first new byte: the old output's markers go (or all of it, where a file
@@ -338,7 +340,8 @@ class RemoteSink:
             going = [k for k in self._old if self._is_marker(k)]
         for key in going:
             self.root.fs.rm_file(key)
-        self._old = [k for k in self._old if k not in set(going)]
+        gone = set(going)
+        self._old = [k for k in self._old if k not in gone]
 
     def prepare(self, files: list[tuple[str, int]]) -> None:
         """A folder's claim goes first: a write killed before its manifest is put is still
