@@ -113,10 +113,11 @@ class StagedOutput:
         try:
             self._sweep_stale()
             # Again under the lock: another conversion may have committed since the check above.
-            if (self.dst.exists() or self.dst.is_symlink()) and not self.overwrite:
-                raise OutputExistsError(f"{self.dst} already exists (another conversion just wrote it); "
-                                        f"pass {option('--overwrite', 'overwrite=True')} to replace it")
-            refuse_taken(self.dst, self.overwrite, self.sources)
+            if self.dst.exists() or self.dst.is_symlink():
+                if not self.overwrite:
+                    raise OutputExistsError(f"{self.dst} already exists (another conversion just wrote it); "
+                                            f"pass {option('--overwrite', 'overwrite=True')} to replace it")
+                refuse_unreplaceable(self.dst)  # what it holds now; the sources cannot have moved since
             if self.is_dir:
                 self.staging.mkdir()
         except BaseException:
